@@ -1,0 +1,108 @@
+"""The end-of-trajectory sanity check: incremental tokens against a full re-render."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from difflib import SequenceMatcher
+from typing import Any, Literal
+
+from turnrl.chat.template import ChatTemplate
+
+CheckMode = Literal["strict", "ignore_strippable", "disable"]
+THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+MAX_DIFF_CHARS = 4000
+
+
+@dataclass
+class Hunk:
+    """One place where the two token sequences differ."""
+
+    kind: str  # same_text | whitespace | think | text
+    expected: bool  # explained by a known quirk of the template
+    start: int  # token index in the incremental sequence
+    incremental: str  # text on the rollout side
+    rerender: str  # text on the full re-render side
+
+
+@dataclass
+class CheckResult:
+    """Outcome of comparing the rollout's tokens with a full re-render of its messages."""
+
+    mode: str  # strict | ignore_strippable | disable
+    ok: bool  # no difference that counts in this mode
+    hunks: list[Hunk] = field(default_factory=list)  # every difference found
+    diff: str = ""  # readable diff of the differences that count
+
+    @property
+    def mismatches(self) -> int:
+        """How many differences count in this mode."""
+        return sum(1 for h in self.hunks if counts(h, self.mode))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {**asdict(self), "mismatches": self.mismatches}
+
+
+def counts(hunk: Hunk, mode: str) -> bool:
+    """Whether a difference counts as a mismatch in ``mode``."""
+    if hunk.expected or mode == "disable":
+        return False
+    if mode == "ignore_strippable":
+        return hunk.kind in ("text", "think")
+    return True
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def classify(incremental: str, rerender: str) -> str:
+    """The kind of a difference: same_text, whitespace, think or text."""
+    if incremental == rerender:
+        return "same_text"
+    if _squash(incremental) == _squash(rerender):
+        return "whitespace"
+    if _squash(THINK_RE.sub("", incremental)) == _squash(THINK_RE.sub("", rerender)):
+        return "think"
+    return "text"
+
+
+def compare(
+    template: ChatTemplate,
+    incremental_ids: list[int],
+    reference_ids: list[int],
+    mode: CheckMode,
+    reasoning_rewritten: bool,
+) -> CheckResult:
+    """Diff two token sequences; ``reasoning_rewritten`` marks <think> differences as expected."""
+    if mode == "disable":
+        return CheckResult(mode=mode, ok=True)
+    if incremental_ids == reference_ids:
+        return CheckResult(mode=mode, ok=True)
+    matcher = SequenceMatcher(None, incremental_ids, reference_ids, autojunk=False)
+    hunks = []
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "equal":
+            continue
+        inc, ref = template.decode(incremental_ids[i1:i2]), template.decode(reference_ids[j1:j2])
+        kind = classify(inc, ref)
+        hunks.append(Hunk(kind, kind == "think" and reasoning_rewritten, i1, inc, ref))
+    result = CheckResult(mode=mode, ok=True, hunks=hunks)
+    result.ok = result.mismatches == 0
+    result.diff = render_diff(template, incremental_ids, result)
+    return result
+
+
+def render_diff(template: ChatTemplate, incremental_ids: list[int], result: CheckResult) -> str:
+    """A readable diff: position, kind, a little context, both sides."""
+    lines: list[str] = []
+    for h in result.hunks:
+        if not counts(h, result.mode):
+            continue
+        context = template.decode(incremental_ids[max(0, h.start - 8) : h.start])
+        lines.append(f"@@ token {h.start} [{h.kind}] after ...{context[-60:]!r}")
+        lines.append(f"- rollout:   {h.incremental!r}")
+        lines.append(f"+ re-render: {h.rerender!r}")
+    text = "\n".join(lines)
+    return text if len(text) <= MAX_DIFF_CHARS else text[:MAX_DIFF_CHARS] + "\n... (diff cut)"

@@ -1,0 +1,164 @@
+"""Learn how a chat template renders observations, by rendering marked probe conversations.
+
+A template's quirks are data, not code paths: the probe finds, for each observation role,
+the text the template puts before, between and after message contents when they follow an
+assistant turn (end-of-turn token, separators, role headers, the generation prompt), and
+checks that this shape does not depend on the content or on the number of messages. Roles
+whose shape is stable take the fast path (string concatenation and one tokenizer call per
+turn); the others fall back to rendering a fixed base conversation each turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnrl.chat.template import ChatTemplate, ChatTemplateError
+from turnrl.types import Message
+
+ASSISTANT_MARK = "ASSISTANT-MARK-q7"
+REASONING_MARK = "REASONING-MARK-q7"
+BASE_SYSTEM = "You are a helpful assistant."
+BASE_USER = "I am a user."
+
+
+def _mark(i: int) -> str:
+    return f"OBS-MARK-{i}-q7"
+
+
+def base_messages() -> list[Message]:
+    """The fixed conversation that observations are rendered after."""
+    return [{"role": "system", "content": BASE_SYSTEM}, {"role": "user", "content": BASE_USER}]
+
+
+def assistant_message(content: str) -> Message:
+    """An assistant message holding ``content``."""
+    return {"role": "assistant", "content": content}
+
+
+def observation_message(role: str, content: str, index: int = 0) -> Message:
+    """A message of ``role`` as an env would send it (tool messages get a name and call id)."""
+    if role == "tool":
+        return {"role": "tool", "content": content, "name": "probe", "tool_call_id": f"call_{index}"}
+    return {"role": role, "content": content}
+
+
+@dataclass
+class RoleShape:
+    """How a run of consecutive messages of one role renders after an assistant turn."""
+
+    role: str  # the chat role
+    lead: str  # text from the end of the assistant content to the first message content
+    between: str  # text between two consecutive contents
+    close: str  # text after the last content, generation prompt included
+
+
+@dataclass
+class TemplateProbe:
+    """What the probe found out about a template (for one tool list)."""
+
+    assistant_close: str  # text after an assistant message's content when it ends the conversation
+    shapes: dict[str, RoleShape] = field(default_factory=dict)  # fast-path roles
+    slow_roles: dict[str, str] = field(default_factory=dict)  # role -> why it needs the slow path
+    drops_past_reasoning: bool = False  # earlier turns' <think> blocks vanish from later renders
+    injects_empty_think: bool = False  # the last assistant turn gets a <think></think> it never wrote
+    generation_prompt: str = ""  # what add_generation_prompt appends
+
+    @property
+    def rewrites_reasoning(self) -> bool:
+        """Whether re-renders differ from the rollout in <think> blocks by design."""
+        return self.drops_past_reasoning or self.injects_empty_think or "<think>" in self.generation_prompt
+
+    def report(self) -> list[str]:
+        """Human-readable findings, one per line."""
+        lines = [f"assistant turn ends with {self.assistant_close!r}"]
+        lines.append(f"generation prompt: {self.generation_prompt!r}")
+        for role, shape in self.shapes.items():
+            lines.append(
+                f"role {role!r}: fast path; lead {shape.lead!r}, between {shape.between!r}, "
+                f"close {shape.close!r}"
+            )
+        for role, why in self.slow_roles.items():
+            lines.append(f"role {role!r}: slow path (re-render of a fixed base each turn): {why}")
+        if self.drops_past_reasoning:
+            lines.append("drops the reasoning of earlier turns from later renders (rollout keeps it)")
+        if self.injects_empty_think:
+            lines.append("adds an empty <think></think> block to a final assistant turn that had none")
+        return lines
+
+
+def _tail_after(text: str, mark: str) -> str:
+    if text.count(mark) != 1:
+        raise ChatTemplateError(f"the template rendered the probe marker {mark!r} {text.count(mark)} times")
+    return text.split(mark, 1)[1]
+
+
+def _render_tail(
+    tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None, obs: list[Message], gen: bool
+) -> str:
+    messages = [*base_messages(), assistant_message(ASSISTANT_MARK), *obs]
+    return _tail_after(tpl.render(messages, tools, gen), ASSISTANT_MARK)
+
+
+def _probe_role(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None, role: str) -> RoleShape | str:
+    """The role's shape, or the reason it has none."""
+    try:
+        tails = [
+            _render_tail(tpl, tools, [observation_message(role, _mark(i), i) for i in range(k)], True)
+            for k in (1, 2, 3)
+        ]
+    except ChatTemplateError as exc:
+        return str(exc)
+    first = tails[0]
+    if first.count(_mark(0)) != 1:
+        return "content is not rendered verbatim"
+    lead, close = first.split(_mark(0))
+    second = tails[1][len(lead) + len(_mark(0)) :]
+    if not tails[1].startswith(lead + _mark(0)) or _mark(1) not in second:
+        return "the first message renders differently when another follows"
+    between = second.split(_mark(1))[0]
+    shape = RoleShape(role, lead, between, close)
+    for k, tail in enumerate(tails, start=1):
+        if tail != _assemble(shape, [_mark(i) for i in range(k)]):
+            return f"{k} consecutive messages do not render as lead/between/close"
+    odd = "\n  " + _mark(0) + " \n"
+    if _render_tail(tpl, tools, [observation_message(role, odd)], True) != _assemble(shape, [odd]):
+        return "content is trimmed or escaped by the template"
+    other = dict(observation_message(role, _mark(0)), name="other", tool_call_id="call_9")
+    if role == "tool" and _render_tail(tpl, tools, [other], True) != first:
+        return "rendering depends on the tool name or call id"
+    return shape
+
+
+def _assemble(shape: RoleShape, contents: Sequence[str]) -> str:
+    return shape.lead + shape.between.join(contents) + shape.close
+
+
+def _probe_reasoning(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None) -> tuple[bool, bool]:
+    thought = f"<think>\n{REASONING_MARK}\n</think>\n\n{ASSISTANT_MARK}"
+    try:
+        later = tpl.render(
+            [*base_messages(), assistant_message(thought), {"role": "user", "content": _mark(0)}], tools, False
+        )
+        final = tpl.render([*base_messages(), assistant_message(ASSISTANT_MARK)], tools, False)
+    except ChatTemplateError:
+        return False, False
+    drops = REASONING_MARK not in later
+    injects = "<think>" in final.split(BASE_USER, 1)[-1]
+    return drops, injects
+
+
+def probe_template(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None = None) -> TemplateProbe:
+    """Probe ``tpl`` with ``tools`` in the system prompt."""
+    closing = _render_tail(tpl, tools, [], False)
+    with_prompt = _render_tail(tpl, tools, [], True)
+    probe = TemplateProbe(assistant_close=closing, generation_prompt=with_prompt[len(closing) :])
+    for role in ("tool", "user"):
+        shape = _probe_role(tpl, tools, role)
+        if isinstance(shape, RoleShape):
+            probe.shapes[role] = shape
+        else:
+            probe.slow_roles[role] = shape
+    probe.drops_past_reasoning, probe.injects_empty_think = _probe_reasoning(tpl, tools)
+    return probe

@@ -1,0 +1,67 @@
+"""The environment protocol: reset, step, format_observation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnrl.types import Message, Sample, StopReason, Trajectory
+
+Observation = Any
+"""What ``step`` returns for the model to see: a string, a dict, messages... ``format_observation`` turns it
+into chat messages."""
+
+
+@dataclass
+class StepResult:
+    """The outcome of one env step."""
+
+    observation: Observation  # what the model sees next (ignored when done)
+    reward: float = 0.0  # reward for this action
+    done: bool = False  # the episode is over
+    info: dict[str, Any] = field(default_factory=dict)  # free-form; kept on the turn
+    stop_reason: StopReason | None = None  # why it is over, when done (default: env_done)
+
+
+class Env:
+    """One episode of a task. Subclass it and override what you need.
+
+    The rollout calls ``reset`` once, then ``step(action)`` after every model turn with the
+    model's text, and ``format_observation`` on what ``step`` returned. ``close`` always
+    runs at the end, also after errors.
+    """
+
+    tools: list[dict[str, Any]] | None = None  # OpenAI function schemas shown in the prompt
+
+    def __init__(self, sample: Sample) -> None:
+        self.sample = sample
+
+    async def reset(self) -> list[Message]:
+        """Start the episode; return the prompt messages (default: the sample's prompt)."""
+        return list(self.sample.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        """Apply the model's action (its decoded text for this turn)."""
+        raise NotImplementedError
+
+    def format_observation(self, observation: Observation) -> list[Message]:
+        """Turn an observation into the chat messages appended for the next turn."""
+        if isinstance(observation, str):
+            return [{"role": "user", "content": observation}]
+        if isinstance(observation, dict):
+            return [observation]
+        if isinstance(observation, list):
+            return observation
+        raise TypeError(f"cannot format observation of type {type(observation).__name__}")
+
+    async def score(self, trajectory: Trajectory) -> float | None:
+        """Final reward of the episode, or None to use the reward function / sum of step rewards."""
+        return None
+
+    async def close(self) -> None:
+        """Release what the episode holds."""
+
+
+EnvFactory = Callable[[Sample], Env]
+"""Builds a fresh env for one trajectory."""

@@ -1,0 +1,48 @@
+"""The growing token record of one trajectory: ids, mask, logprobs and turn spans, appended in place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from turnrl.engines.base import Generation
+from turnrl.types import Message, Turn
+
+
+@dataclass
+class ResponseRecord:
+    """Response tokens as they are appended; every append is O(new tokens)."""
+
+    response_ids: list[int] = field(default_factory=list)  # model and env tokens
+    loss_mask: list[int] = field(default_factory=list)  # 1 model, 0 env/template
+    rollout_logprobs: list[float] = field(default_factory=list)  # 0.0 where mask is 0
+    turns: list[Turn] = field(default_factory=list)  # spans in order
+    messages: list[Message] = field(default_factory=list)  # the conversation so far
+
+    def add_model(self, gen: Generation, text: str, seconds: float) -> Turn:
+        """Append the engine's tokens exactly as sampled (mask 1)."""
+        if len(gen.logprobs) != len(gen.token_ids):
+            raise ValueError(
+                f"engine returned {len(gen.token_ids)} tokens but {len(gen.logprobs)} logprobs"
+            )
+        start = len(self.response_ids)
+        self.response_ids += gen.token_ids
+        self.loss_mask += [1] * len(gen.token_ids)
+        self.rollout_logprobs += gen.logprobs
+        turn = Turn("assistant", start, len(self.response_ids), text, {"generate": seconds}, gen.finish_reason)
+        self.turns.append(turn)
+        return turn
+
+    def add_env(self, ids: list[int], messages: list[Message], text: str, seconds: float, retries: int) -> None:
+        """Append inserted tokens (mask 0) for observation messages."""
+        start = len(self.response_ids)
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.rollout_logprobs += [0.0] * len(ids)
+        role = "+".join(dict.fromkeys(str(m.get("role")) for m in messages))
+        self.turns.append(Turn(role, start, len(self.response_ids), text, {"encode": seconds}, None, None, retries))
+        self.messages += messages
+
+    @property
+    def num_model_turns(self) -> int:
+        """Model turns so far."""
+        return sum(1 for t in self.turns if t.role == "assistant")
