@@ -139,7 +139,9 @@ def _probe_reasoning(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None) 
     thought = f"<think>\n{REASONING_MARK}\n</think>\n\n{ASSISTANT_MARK}"
     try:
         later = tpl.render(
-            [*base_messages(), assistant_message(thought), {"role": "user", "content": _mark(0)}], tools, False
+            [*base_messages(), assistant_message(thought), {"role": "user", "content": _mark(0)}],
+            tools,
+            False,
         )
         final = tpl.render([*base_messages(), assistant_message(ASSISTANT_MARK)], tools, False)
     except ChatTemplateError:

@@ -57,8 +57,8 @@ class ChatTemplate:
         """Token ids of ``text``; with ``literal``, special-token spellings stay plain text."""
         if not text:
             return []
-        if self._backend is not None:
-            backend = self._literal_backend if literal else self._backend
+        backend = self._literal_backend if literal else self._backend
+        if backend is not None:
             return list(backend.encode(text, add_special_tokens=False).ids)
         out = self.tokenizer(text, add_special_tokens=False, split_special_tokens=literal)
         return list(out["input_ids"])

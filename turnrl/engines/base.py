@@ -49,7 +49,11 @@ class Engine(Protocol):
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Sequence[Any] = ()
     ) -> Generation:
-        """Sample a continuation of ``prompt_ids``."""
+        """Sample a continuation of ``prompt_ids``.
+
+        The rollout passes its live token list without copying; the caller appends to it
+        after the call returns, so an engine that keeps the ids beyond the call must copy them.
+        """
         ...
 
     async def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -61,9 +62,9 @@ async def _call_env(coro_fn: Any, limits: Limits) -> tuple[Any, int]:
     raise EnvFailure(f"env failed {len(errors)} times; last: {errors[-1]}", len(errors))
 
 
-def _budget(prompt_len: int, record: ResponseRecord, limits: Limits) -> int:
+def _budget(record: ResponseRecord, limits: Limits) -> int:
     """Tokens the next generation may still use."""
-    left = limits.max_context_tokens - prompt_len - len(record.response_ids)
+    left = limits.max_context_tokens - len(record.sequence)
     if limits.max_response_tokens is not None:
         left = min(left, limits.max_response_tokens - len(record.response_ids))
     return left
@@ -100,18 +101,20 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
         # 2. Encode the prompt once; from here on, tokens are only appended.
         prompt_ids = conv.encode_prompt(prompt)
         record.messages = list(prompt)
+        record.sequence = list(prompt_ids)
         last_token_text: str | None = None
         while error is None:
             # 3. Generate within the budget; keep the sampled tokens exactly.
-            budget = _budget(len(prompt_ids), record, spec.limits)
+            budget = _budget(record, spec.limits)
             if budget <= 0:
                 stop = StopReason.TOKEN_BUDGET
                 break
             max_tokens = min(spec.sampling.max_tokens, budget)
             t0 = time.perf_counter()
             try:
+                # The live sequence is passed without a copy (O(1) per turn); engines must not keep it.
                 gen: Generation = await spec.engine.generate(
-                    prompt_ids + record.response_ids, spec.sampling.with_max_tokens(max_tokens)
+                    record.sequence, spec.sampling.with_max_tokens(max_tokens)
                 )
             except Exception as exc:
                 error, stop = f"engine: {type(exc).__name__}: {exc}", StopReason.ENGINE_ERROR
@@ -158,7 +161,7 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
             obs_ids = conv.encode_observation(obs_messages, last_token_text)
             encode_s = time.perf_counter() - t0
             metrics["time/encode"] += encode_s
-            if _budget(len(prompt_ids), record, spec.limits) - len(obs_ids) <= 0:
+            if _budget(record, spec.limits) - len(obs_ids) <= 0:
                 stop = StopReason.TOKEN_BUDGET
                 break
             record.add_env(obs_ids, obs_messages, conv.template.decode(obs_ids), encode_s, retries)
@@ -205,10 +208,8 @@ async def _safe_reward(sample: Sample, traj: Trajectory, env: Env, spec: Rollout
 
 
 async def _close(env: Env) -> None:
-    try:
+    with contextlib.suppress(Exception):  # closing must never lose a finished trajectory
         await env.close()
-    except Exception:  # closing must never lose a finished trajectory
-        pass
 
 
 def _check_messages(messages: list[Message]) -> list[Message]:
@@ -216,11 +217,18 @@ def _check_messages(messages: list[Message]) -> list[Message]:
     return [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
 
 
-def _finish_metrics(traj: Trajectory, conv: ConversationEncoder, last_text: str | None, mode: CheckMode) -> None:
+def _finish_metrics(
+    traj: Trajectory, conv: ConversationEncoder, last_text: str | None, mode: CheckMode
+) -> None:
     ends_with_model = bool(traj.turns) and traj.turns[-1].role == "assistant"
     try:
         result = conv.check(
-            traj.prompt_ids, traj.response_ids, _check_messages(traj.messages), last_text, ends_with_model, mode
+            traj.prompt_ids,
+            traj.response_ids,
+            _check_messages(traj.messages),
+            last_text,
+            ends_with_model,
+            mode,
         )
     except Exception as exc:  # a template that cannot render the final messages
         traj.metrics["check/error"] = f"{type(exc).__name__}: {exc}"

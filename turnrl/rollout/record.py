@@ -12,6 +12,7 @@ from turnrl.types import Message, Turn
 class ResponseRecord:
     """Response tokens as they are appended; every append is O(new tokens)."""
 
+    sequence: list[int] = field(default_factory=list)  # prompt + response: what the engine conditions on
     response_ids: list[int] = field(default_factory=list)  # model and env tokens
     loss_mask: list[int] = field(default_factory=list)  # 1 model, 0 env/template
     rollout_logprobs: list[float] = field(default_factory=list)  # 0.0 where mask is 0
@@ -21,25 +22,31 @@ class ResponseRecord:
     def add_model(self, gen: Generation, text: str, seconds: float) -> Turn:
         """Append the engine's tokens exactly as sampled (mask 1)."""
         if len(gen.logprobs) != len(gen.token_ids):
-            raise ValueError(
-                f"engine returned {len(gen.token_ids)} tokens but {len(gen.logprobs)} logprobs"
-            )
+            raise ValueError(f"engine returned {len(gen.token_ids)} tokens but {len(gen.logprobs)} logprobs")
         start = len(self.response_ids)
         self.response_ids += gen.token_ids
+        self.sequence += gen.token_ids
         self.loss_mask += [1] * len(gen.token_ids)
         self.rollout_logprobs += gen.logprobs
-        turn = Turn("assistant", start, len(self.response_ids), text, {"generate": seconds}, gen.finish_reason)
+        turn = Turn(
+            "assistant", start, len(self.response_ids), text, {"generate": seconds}, gen.finish_reason
+        )
         self.turns.append(turn)
         return turn
 
-    def add_env(self, ids: list[int], messages: list[Message], text: str, seconds: float, retries: int) -> None:
+    def add_env(
+        self, ids: list[int], messages: list[Message], text: str, seconds: float, retries: int
+    ) -> None:
         """Append inserted tokens (mask 0) for observation messages."""
         start = len(self.response_ids)
         self.response_ids += ids
+        self.sequence += ids
         self.loss_mask += [0] * len(ids)
         self.rollout_logprobs += [0.0] * len(ids)
         role = "+".join(dict.fromkeys(str(m.get("role")) for m in messages))
-        self.turns.append(Turn(role, start, len(self.response_ids), text, {"encode": seconds}, None, None, retries))
+        self.turns.append(
+            Turn(role, start, len(self.response_ids), text, {"encode": seconds}, None, None, retries)
+        )
         self.messages += messages
 
     @property

@@ -1,0 +1,72 @@
+"""The ``turnrl`` command: rollout, check-template."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError, OSError)
+
+
+def _rollout(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.config import load_config
+    from turnrl.rollout.runner import TRAJECTORIES, run
+
+    config = load_config(args.config, args.set)
+    summary = run(config, overwrite=args.overwrite, console=console)
+    console.print(json.dumps(summary, indent=2))
+    console.print(f"wrote {Path(config.output_dir) / TRAJECTORIES}")
+    return 0
+
+
+def _check_template(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.chat.report import check_template
+
+    tools = None
+    if args.tools:
+        from turnrl.tools.config import load_tools_config
+
+        tools = [t.schema for t in load_tools_config(args.tools)]
+    kwargs = json.loads(args.template_kwargs) if args.template_kwargs else {}
+    report = check_template(args.model, tools=tools, template_kwargs=kwargs)
+    console.print(report.text())
+    return 0 if report.safe else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser."""
+    parser = argparse.ArgumentParser(prog="turnrl", description="Exact-token multi-turn RL rollouts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    roll = sub.add_parser("rollout", help="run an env against a model and write trajectories.jsonl")
+    roll.add_argument("config", help="YAML run config")
+    roll.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    roll.add_argument("--overwrite", action="store_true", help="replace an existing trajectories.jsonl")
+    roll.set_defaults(func=_rollout)
+    chk = sub.add_parser("check-template", help="is this model's chat template safe for delta encoding?")
+    chk.add_argument("model", help="HF id, local folder, or a shipped name (tiny-qwen3, smollm2-135m)")
+    chk.add_argument("--tools", help="tool config YAML to put in the system prompt")
+    chk.add_argument("--template-kwargs", help="JSON, e.g. '{\"enable_thinking\": false}'")
+    chk.set_defaults(func=_check_template)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: one clear line on bad input, non-zero exit."""
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        return int(args.func(args, console))
+    except KeyboardInterrupt:
+        console.print("interrupted; finished trajectories are on disk")
+        return 130
+    except USER_ERRORS as exc:
+        print(f"turnrl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Data rows into samples: files, generators, or an env's own data."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from turnrl.types import Message, Sample
+
+KNOWN = {"id", "prompt", "data_source", "tools", "tools_kwargs", "metadata", "system"}
+
+
+class DataError(ValueError):
+    """A data row or file that cannot become a sample; the message names it."""
+
+
+def _prompt(row: dict[str, Any], where: str) -> list[Message]:
+    prompt = row.get("prompt")
+    if prompt is None or prompt == "" or prompt == []:
+        raise DataError(f"{where} has no 'prompt'")
+    if isinstance(prompt, str):
+        messages: list[Message] = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise DataError(f"{where}: 'prompt' must be a string or a list of chat messages")
+    if row.get("system") and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": row["system"]})
+    return messages
+
+
+def sample_from_row(row: dict[str, Any], index: int, source: str = "data") -> Sample:
+    """One row (``prompt`` required; ``id``, ``data_source``, ``tools``, ``tools_kwargs`` optional;
+    every other field lands in ``metadata``)."""
+    where = f"data row {index} of {source}"
+    if not isinstance(row, dict):
+        raise DataError(f"{where} is not a mapping")
+    metadata = dict(row.get("metadata") or {})
+    metadata.update({k: v for k, v in row.items() if k not in KNOWN})
+    extra = row.get("extra_info") or {}
+    tools_kwargs = row.get("tools_kwargs") or (extra.get("tools_kwargs") if isinstance(extra, dict) else None)
+    return Sample(
+        id=str(row.get("id", index)),
+        prompt=_prompt(row, where),
+        data_source=str(row.get("data_source", "default")),
+        tools=row.get("tools"),
+        tools_kwargs=dict(tools_kwargs or {}),
+        metadata=metadata,
+    )
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file or a JSON list."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        rows = json.loads(text)
+        if not isinstance(rows, list):
+            raise DataError(f"data file {path} must hold a JSON list")
+        return rows
+    out = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"data file {path} line {n} is not JSON: {exc.msg}") from None
+    return out
+
+
+def to_samples(rows: Iterable[dict[str, Any]], source: str, limit: int | None = None) -> list[Sample]:
+    """Validate every row up front, so a bad row fails before any work starts."""
+    samples = []
+    for i, row in enumerate(rows):
+        if limit is not None and i >= limit:
+            break
+        samples.append(sample_from_row(row, i, source))
+    if not samples:
+        raise DataError(f"{source} gave no samples")
+    ids = [s.id for s in samples]
+    if len(set(ids)) != len(ids):
+        raise DataError(f"{source} has duplicate sample ids")
+    return samples

@@ -1,0 +1,58 @@
+"""Envs by name: built-in ones, user-registered ones, or any ``module:Class``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from turnrl.env.base import Env, EnvFactory
+from turnrl.imports import import_object
+from turnrl.types import Sample
+
+Rows = list[dict[str, Any]]
+
+
+@dataclass
+class EnvEntry:
+    """A registered env: how to build it, and (optionally) its own data."""
+
+    factory: Callable[..., Env]  # called as factory(sample, **kwargs)
+    dataset: Callable[..., Rows] | None = None  # default data rows, called with data.kwargs
+
+    def bind(self, kwargs: dict[str, Any]) -> EnvFactory:
+        """A one-argument factory with the config's kwargs applied."""
+        factory = self.factory
+
+        def build(sample: Sample) -> Env:
+            return factory(sample, **kwargs)
+
+        return build
+
+
+_ENVS: dict[str, EnvEntry] = {}
+_BUILTIN = {
+    "tool_env": "turnrl.envs.tool_config:ConfiguredToolEnv",
+    "math_tools": "turnrl.envs.math_tools:MathToolEnv",
+    "guess_number": "turnrl.envs.guess_number:GuessNumberEnv",
+    "textarena": "turnrl.envs.textarena_env:TextArenaEnv",
+    "swift_scheduler": "turnrl.envs.swift_scheduler:ThinkingTipsEnv",
+}
+
+
+def register_env(name: str, factory: Callable[..., Env], dataset: Callable[..., Rows] | None = None) -> None:
+    """Make ``name`` usable as ``env.name`` in configs."""
+    _ENVS[name] = EnvEntry(factory, dataset)
+
+
+def resolve_env(name: str) -> EnvEntry:
+    """The env registered as ``name``, a built-in, or ``module:Class``."""
+    if name in _ENVS:
+        return _ENVS[name]
+    spec = _BUILTIN.get(name, name)
+    if ":" not in spec and "." not in spec:
+        known = ", ".join(sorted({*_ENVS, *_BUILTIN}))
+        raise ValueError(f"unknown env {name!r} (known: {known}; or give module:Class)")
+    factory = import_object(spec, "env")
+    dataset = getattr(factory, "dataset", None)
+    return EnvEntry(factory, dataset if callable(dataset) else None)
