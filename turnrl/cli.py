@@ -33,7 +33,7 @@ def _check_template(args: argparse.Namespace, console: Console) -> int:
         tools = [t.schema for t in load_tools_config(args.tools)]
     kwargs = json.loads(args.template_kwargs) if args.template_kwargs else {}
     report = check_template(args.model, tools=tools, template_kwargs=kwargs)
-    console.print(report.text())
+    print(report.text())
     return 0 if report.safe else 1
 
 

@@ -222,11 +222,11 @@ def _json_type(value: Any) -> str:
 class FunctionTool(BaseTool):
     """A stateless tool that calls a typed Python function, sync (run in a thread) or async.
 
-    Arguments from the model are checked against the signature before the call (a number given for a
-    ``str`` parameter becomes its JSON text). ``injected`` names
-    parameters filled from the env's execute kwargs (``sample.tools_kwargs[name]["execute_kwargs"]``)
-    rather than by the model; they are left out of the schema. A function with ``**kwargs`` receives
-    every execute kwarg.
+    Arguments from the model are checked against the signature before the call; a number or boolean
+    given where only text fits becomes its JSON text (XML-style parsers decode values without the
+    schema). ``injected`` names parameters filled from the env's execute kwargs
+    (``sample.tools_kwargs[name]["execute_kwargs"]``) rather than by the model; they are left out of
+    the schema. A function with ``**kwargs`` receives every execute kwarg.
     """
 
     def __init__(
@@ -286,15 +286,13 @@ class FunctionTool(BaseTool):
 
     def _checked(self, key: str, value: Any) -> Any:
         tp = self._hints.get(key, self._params[key].annotation)
-        if tp is str and isinstance(value, int | float):
+        if matches_type(value, tp):
+            return value
+        if isinstance(value, int | float) and matches_type(json.dumps(value), tp):
             return json.dumps(value)  # XML-style parsers decode "42" to 42 without knowing the schema
-        if not matches_type(value, tp):
-            expected = type_schema(tp).get("type") or getattr(tp, "__name__", None) or repr(tp)
-            got = f"{_json_type(value)} {value!r}"
-            raise ToolArgumentError(
-                f"argument '{key}' of tool '{self.name}' must be {expected}, got {got[:120]}"
-            )
-        return value
+        expected = type_schema(tp).get("type") or getattr(tp, "__name__", None) or repr(tp)
+        got = f"{_json_type(value)} {value!r}"
+        raise ToolArgumentError(f"argument '{key}' of tool '{self.name}' must be {expected}, got {got[:120]}")
 
     def _injected_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in kwargs.items() if self._takes_kwargs or k in self.injected}

@@ -1,0 +1,211 @@
+"""The turn loop and the collector: exact tokens, every stop reason, failures that end well."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.engines.base import Generation, SamplingParams
+from turnrl.engines.hf import HFEngine
+from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
+from turnrl.env.tool_env import ToolEnv
+from turnrl.rewards import RewardContext
+from turnrl.rollout.collector import collect, read_trajectories
+from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+from turnrl.testing import BrokenResetEnv, EchoEnv, FlakyEnv
+from turnrl.tools import FunctionTool
+from turnrl.tools.builtin import calculator
+from turnrl.types import Sample, StopReason, Trajectory
+
+PROMPT = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 17*23+4?"}]
+CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
+
+
+def tool_env(sample: Sample) -> ToolEnv:
+    return ToolEnv(sample, [FunctionTool(calculator)])
+
+
+def spec_for(engine: Any, tokenizer: Any, env: Any, **limits: Any) -> RolloutSpec:
+    return RolloutSpec(
+        env_factory=env,
+        engine=engine,
+        encoder=ChatEncoder(tokenizer),
+        sampling=SamplingParams(max_tokens=limits.pop("max_tokens", 64)),
+        limits=Limits(**{"max_turns": 4, "env_timeout_s": 2.0, **limits}),
+    )
+
+
+async def run(spec: RolloutSpec, prompt: list[dict[str, Any]] = PROMPT) -> Trajectory:
+    return await run_trajectory(Sample("s0", prompt, data_source="calc"), spec)
+
+
+def assert_record_consistent(traj: Trajectory) -> None:
+    n = len(traj.response_ids)
+    assert len(traj.loss_mask) == n == len(traj.rollout_logprobs)
+    assert all(lp == 0.0 for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if m == 0)
+    spans = [(t.start, t.end) for t in traj.turns]
+    assert spans == sorted(spans) and (not spans or spans[-1][1] == n)
+    for t in traj.turns:
+        assert set(traj.loss_mask[t.start : t.end]) <= ({1} if t.role == "assistant" else {0})
+
+
+async def test_tool_rollout_equals_full_rerender(qwen3_tokenizer: Any) -> None:
+    replies = [
+        "<think>\nFirst the product.\n</think>\n\n" + CALL.format("17*23"),
+        "<think>\nNow add.\n</think>\n\nAdding 4.\n" + CALL.format("391+4"),
+        "<think>\nDone.\n</think>\n\n<answer>395</answer>",
+    ]
+    engine = ScriptedEngine(qwen3_tokenizer, replies)
+    traj = await run(spec_for(engine, qwen3_tokenizer, tool_env))
+    assert traj.stop_reason == StopReason.NO_TOOL_CALL and traj.num_turns == 3
+    assert_record_consistent(traj)
+    # the mask-1 spans are exactly what the engine returned, in order
+    model_spans = [traj.response_ids[t.start : t.end] for t in traj.turns if t.role == "assistant"]
+    sequence = traj.prompt_ids + traj.response_ids
+    for call, span in zip(engine.calls, model_spans, strict=True):
+        # each generation conditioned on exactly the sequence before its span
+        assert sequence[: len(call.prompt_ids)] == call.prompt_ids
+        assert sequence[len(call.prompt_ids) : len(call.prompt_ids) + len(span)] == span
+    # strict sanity check: the whole sequence equals a full re-render of the final messages
+    assert traj.metrics["check/ok"] is True and traj.metrics["check/mismatches"] == 0
+    plain = [{k: v for k, v in m.items() if k != "tool_calls"} for m in traj.messages]
+    rendered = qwen3_tokenizer.apply_chat_template(plain, tools=tool_env(Sample("x", [])).tools, tokenize=False)
+    assert sequence + qwen3_tokenizer.encode("\n", add_special_tokens=False) == qwen3_tokenizer.encode(
+        rendered, add_special_tokens=False
+    )
+    text = qwen3_tokenizer.decode(sequence)
+    assert text.count("# Tools") == 1 and text.count("<|im_start|>system") == 1
+    assert "<tool_response>\n391\n</tool_response>" in text and "<tool_response>\n395\n</tool_response>" in text
+    assert traj.messages[2]["tool_calls"][0]["function"]["arguments"] == {"expression": "17*23"}
+
+
+async def test_malformed_call_and_tool_exception_are_observations(qwen3_tokenizer: Any) -> None:
+    replies = [
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": \n</tool_call>',
+        CALL.format("1/0"),
+        "<answer>0</answer>",
+    ]
+    engine = ScriptedEngine(qwen3_tokenizer, replies)
+    traj = await run(spec_for(engine, qwen3_tokenizer, tool_env))
+    assert traj.stop_reason == StopReason.NO_TOOL_CALL and traj.num_turns == 3
+    seen = qwen3_tokenizer.decode(engine.prompts[1])
+    assert "Error:" in seen.split("<tool_response>")[-1]  # the model saw the parse error
+    assert "ZeroDivisionError" in qwen3_tokenizer.decode(engine.prompts[2]).split("<tool_response>")[-1]
+    assert traj.info["num_tool_errors"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("env", "limits", "replies", "expected"),
+    [
+        (lambda s: EchoEnv(s, done_after=2), {}, ["a", "b"], StopReason.ENV_DONE),
+        (EchoEnv, {"max_turns": 3}, ["a", "b", "c"], StopReason.MAX_TURNS),
+        (EchoEnv, {"max_context_tokens": 40}, ["word " * 30], StopReason.TOKEN_BUDGET),
+        (EchoEnv, {"max_tokens": 5}, ["word " * 30], StopReason.LENGTH),
+        (EchoEnv, {}, [ScriptedReply(text="partial", finish_reason="abort")], StopReason.ABORTED),
+        (EchoEnv, {}, [RuntimeError("server gone")], StopReason.ENGINE_ERROR),
+        (lambda s: FlakyEnv(s, failures=5), {"max_env_retries_per_turn": 2}, ["a"], StopReason.ENV_ERROR),
+        (BrokenResetEnv, {}, [], StopReason.ENV_ERROR),
+    ],
+)
+async def test_every_stop_reason(
+    qwen3_tokenizer: Any, env: Any, limits: dict[str, Any], replies: list[Any], expected: StopReason
+) -> None:
+    prompt = [{"role": "user", "content": "Hi"}]
+    traj = await run(spec_for(ScriptedEngine(qwen3_tokenizer, replies), qwen3_tokenizer, env, **limits), prompt)
+    assert traj.stop_reason == expected, traj.error
+    assert_record_consistent(traj)
+    assert len(traj.prompt_ids) + len(traj.response_ids) <= limits.get("max_context_tokens", 4096)
+    assert (traj.error is not None) == (expected in (StopReason.ENV_ERROR, StopReason.ENGINE_ERROR))
+
+
+async def test_observation_that_would_overflow_is_not_appended(qwen3_tokenizer: Any) -> None:
+    prompt = [{"role": "user", "content": "Hi"}]
+    long_reply = lambda s: EchoEnv(s, reply="very long observation " * 20)  # noqa: E731
+    spec = spec_for(ScriptedEngine(qwen3_tokenizer, ["ok", "ok"]), qwen3_tokenizer, long_reply, max_context_tokens=60)
+    traj = await run(spec, prompt)
+    assert traj.stop_reason == StopReason.TOKEN_BUDGET and traj.truncated
+    assert traj.turns[-1].role == "assistant"  # the overflowing observation was left out whole
+
+
+async def test_env_retries_and_timeouts_recover(qwen3_tokenizer: Any) -> None:
+    prompt = [{"role": "user", "content": "Hi"}]
+    flaky = lambda s: FlakyEnv(s, failures=1, done_after=2)  # noqa: E731
+    traj = await run(spec_for(ScriptedEngine(qwen3_tokenizer, ["a", "b"]), qwen3_tokenizer, flaky), prompt)
+    assert traj.stop_reason == StopReason.ENV_DONE and traj.metrics["env_retries"] == 2
+    hanging = lambda s: FlakyEnv(s, failures=1, hang=True, done_after=1)  # noqa: E731
+    spec = spec_for(ScriptedEngine(qwen3_tokenizer, ["a"]), qwen3_tokenizer, hanging, env_timeout_s=0.05)
+    traj = await run(spec, prompt)
+    assert traj.stop_reason == StopReason.ENV_DONE and traj.metrics["env_retries"] == 1
+    always = lambda s: FlakyEnv(s, failures=9, hang=True)  # noqa: E731
+    spec = spec_for(ScriptedEngine(qwen3_tokenizer, ["a"]), qwen3_tokenizer, always, env_timeout_s=0.05)
+    traj = await run(spec, prompt)
+    assert traj.stop_reason == StopReason.ENV_ERROR and "timed out" in (traj.error or "")
+
+
+async def test_reward_routing_and_close_always_runs(qwen3_tokenizer: Any) -> None:
+    envs: list[EchoEnv] = []
+
+    def make(sample: Sample) -> EchoEnv:
+        envs.append(EchoEnv(sample, done_after=1, reward=0.25))
+        return envs[-1]
+
+    def reward(ctx: RewardContext) -> float:
+        return 10.0 if ctx.final_text == "a" else 0.0
+
+    spec = spec_for(ScriptedEngine(qwen3_tokenizer, ["a", RuntimeError("boom")]), qwen3_tokenizer, make)
+    spec.reward_fn = reward
+    assert (await run(spec)).reward == 10.0
+    spec.reward_fn = None
+    assert (await run(spec)).stop_reason == StopReason.ENGINE_ERROR
+    assert all(e.closed for e in envs)
+
+
+class RecordingEngine:
+    """Wraps a real engine and keeps every generation it returned."""
+
+    def __init__(self, inner: HFEngine) -> None:
+        self.inner = inner
+        self.generations: list[list[int]] = []
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Any = ()) -> Generation:
+        gen = await self.inner.generate(prompt_ids, sampling)
+        self.generations.append(list(gen.token_ids))
+        return gen
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_real_engine_rollouts_are_exact(tiny_qwen3_model: Any, qwen3_tokenizer: Any, tmp_path: Path) -> None:
+    engine = RecordingEngine(HFEngine(tiny_qwen3_model, qwen3_tokenizer, max_batch_size=8, seed=0))
+    spec = spec_for(engine, qwen3_tokenizer, lambda s: EchoEnv(s, done_after=3), max_tokens=12)
+    samples = [Sample(f"p{i}", [{"role": "user", "content": f"Count to {i}."}]) for i in range(4)]
+    out = tmp_path / "trajectories.jsonl"
+    trajs = await collect(samples, spec, n=2, concurrency=8, out_path=out)
+    await engine.close()
+    assert len(trajs) == 8 and sorted(t.id for t in trajs) == sorted(f"p{i}/{k}" for i in range(4) for k in range(2))
+    assert read_trajectories(out) == trajs or [t.id for t in read_trajectories(out)] == [t.id for t in trajs]
+    lines = out.read_text().splitlines()
+    assert len(lines) == 8 and json.loads(lines[0])["stop_reason"] in {r.value for r in StopReason}
+    returned = {tuple(g) for g in engine.generations}
+    for traj in trajs:
+        assert_record_consistent(traj)
+        assert traj.group_id == traj.id.split("/")[0]
+        for t in traj.turns:
+            if t.role == "assistant":
+                assert tuple(traj.response_ids[t.start : t.end]) in returned
+        # a fresh forward pass over the final sequence reproduces the rollout logprobs
+        ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+        with torch.no_grad():
+            logits = tiny_qwen3_model(ids).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+        p = len(traj.prompt_ids)
+        for i, (lp, m) in enumerate(zip(traj.rollout_logprobs, traj.loss_mask, strict=True)):
+            if m:
+                assert abs(float(logprobs[p + i - 1]) - lp) < 2e-3

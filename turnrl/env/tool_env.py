@@ -1,0 +1,163 @@
+"""An env whose actions are tool calls: parse them, run them concurrently, answer with tool messages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from turnrl.env.base import Env, StepResult
+from turnrl.tools.base import BaseTool, ToolArgumentError, ToolCall, ToolOutput, as_tool_output
+from turnrl.tools.parsers import ToolParser, get_parser
+from turnrl.types import Message, Sample, StopReason, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _CallResult:
+    """What one call produced: its output, and whether it failed."""
+
+    output: ToolOutput
+    failed: bool = False
+
+
+class ToolEnv(Env):
+    """Runs the tool calls of each model turn; a turn without any call ends the episode.
+
+    Tools follow verl's lifecycle: ``create`` once per trajectory in ``reset``, ``execute`` per call,
+    ``calc_reward`` in ``score`` (when a tool implements it), ``release`` in ``close``. Per tool,
+    ``sample.tools_kwargs[name]`` may hold ``create_kwargs``, ``execute_kwargs``, ``calc_reward_kwargs``
+    and ``release_kwargs``. Errors of a call (unknown tool, bad arguments, exception, timeout) and
+    malformed calls become ``Error: ...`` tool messages for the model, never exceptions.
+    """
+
+    tools: list[dict[str, Any]]  # the schemas of the tools this sample may use
+
+    def __init__(
+        self,
+        sample: Sample,
+        tools: Sequence[BaseTool],
+        parser: str | ToolParser = "hermes",
+        max_parallel_calls: int = 8,
+        tool_timeout_s: float | None = 30.0,
+        max_calls_per_turn: int = 16,
+    ) -> None:
+        super().__init__(sample)
+        self._tools = select_tools(tools, sample)
+        self.tools = [tool.schema for tool in self._tools.values()]
+        self.parser = get_parser(parser) if isinstance(parser, str) else parser
+        self.max_parallel_calls = max_parallel_calls
+        self.tool_timeout_s = tool_timeout_s
+        self.max_calls_per_turn = max_calls_per_turn
+        self.instance_id = f"{sample.id}/{uuid.uuid4().hex}"  # unique per trajectory
+        self._created: list[BaseTool] = []
+
+    async def reset(self) -> list[Message]:
+        """Create every selected tool's instance for this trajectory; return the sample's prompt."""
+        for name, tool in self._tools.items():
+            await tool.create(self.instance_id, **self._kwargs(name, "create_kwargs"))
+            self._created.append(tool)
+        return list(self.sample.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        """Parse the turn's tool calls, run them concurrently and return their tool messages."""
+        parsed = self.parser.parse(action)
+        if not parsed.calls and not parsed.errors:
+            return StepResult(observation=None, done=True, stop_reason=StopReason.NO_TOOL_CALL)
+        results = await self._run_calls(parsed.calls)
+        messages = [
+            _tool_message(c.name, c.id, r.output.text) for c, r in zip(parsed.calls, results, strict=True)
+        ]
+        messages += [_tool_message("", f"error_{i}", f"Error: {e}") for i, e in enumerate(parsed.errors)]
+        info = {
+            "tool_calls": [{"name": c.name, "arguments": c.arguments, "id": c.id} for c in parsed.calls],
+            "num_tool_calls": len(parsed.calls),
+            "num_tool_errors": sum(r.failed for r in results),
+            "parse_errors": list(parsed.errors),
+            "tool_metrics": [r.output.metrics for r in results],
+        }
+        return StepResult(observation=messages, reward=sum(r.output.reward for r in results), info=info)
+
+    def format_observation(self, observation: Any) -> list[Message]:
+        """The tool messages of the turn, as they are."""
+        return list(observation)
+
+    async def score(self, trajectory: Trajectory) -> float | None:
+        """The sum of ``calc_reward`` over the tools that implement it, or None when none does."""
+        scorers = [(name, t) for name, t in self._tools.items() if t.overrides_calc_reward()]
+        if not scorers:
+            return None
+        rewards = [
+            await t.calc_reward(self.instance_id, **self._kwargs(n, "calc_reward_kwargs")) for n, t in scorers
+        ]
+        return float(sum(rewards))
+
+    async def close(self) -> None:
+        """Release every created tool instance; release errors are logged, not raised."""
+        created, self._created = self._created, []
+        for tool in reversed(created):
+            try:
+                await tool.release(self.instance_id, **self._kwargs(tool.name, "release_kwargs"))
+            except Exception:
+                logger.exception("releasing tool '%s' (instance %s) failed", tool.name, self.instance_id)
+
+    async def _run_calls(self, calls: list[ToolCall]) -> list[_CallResult]:
+        """Run the calls concurrently, at most ``max_parallel_calls`` at a time, results in call order."""
+        semaphore = asyncio.Semaphore(self.max_parallel_calls)
+        allowed = calls[: self.max_calls_per_turn]
+        results = await asyncio.gather(*(self._run_call(call, semaphore) for call in allowed))
+        skipped = calls[self.max_calls_per_turn :]
+        limit = f"too many tool calls in one turn (max {self.max_calls_per_turn}); this one was not run"
+        return [*results, *(_error(f"Error: {limit}") for _ in skipped)]
+
+    async def _run_call(self, call: ToolCall, semaphore: asyncio.Semaphore) -> _CallResult:
+        """Run one call; every failure becomes an error text for the model."""
+        tool = self._tools.get(call.name)
+        if tool is None:
+            available = ", ".join(self._tools) or "none"
+            return _error(f"Error: unknown tool '{call.name}'; available tools: {available}")
+        kwargs = self._kwargs(call.name, "execute_kwargs")
+        timeout = asyncio.timeout(self.tool_timeout_s)
+        try:
+            async with semaphore, timeout:
+                raw = await tool.execute(self.instance_id, call.arguments, **kwargs)
+            return _CallResult(as_tool_output(raw))
+        except ToolArgumentError as e:
+            return _error(f"Error: {e}")
+        except Exception as e:
+            if isinstance(e, TimeoutError) and timeout.expired():
+                return _error(f"Error: tool '{call.name}' timed out after {self.tool_timeout_s:g} s")
+            logger.debug("tool '%s' raised", call.name, exc_info=True)
+            return _error(f"Error: tool '{call.name}' raised {type(e).__name__}: {e}")
+
+    def _kwargs(self, tool_name: str, key: str) -> dict[str, Any]:
+        """``sample.tools_kwargs[tool_name][key]``, or an empty dict."""
+        return dict((self.sample.tools_kwargs.get(tool_name) or {}).get(key) or {})
+
+
+def select_tools(tools: Sequence[BaseTool], sample: Sample) -> dict[str, BaseTool]:
+    """The tools a sample may use, by name: all of them, or those named in ``sample.tools``."""
+    by_name: dict[str, BaseTool] = {}
+    for tool in tools:
+        if tool.name in by_name:
+            raise ValueError(f"two tools are named '{tool.name}'")
+        by_name[tool.name] = tool
+    if sample.tools is None:
+        return by_name
+    unknown = [name for name in sample.tools if name not in by_name]
+    if unknown:
+        available = ", ".join(by_name) or "none"
+        raise ValueError(f"sample '{sample.id}' asks for unknown tool(s) {unknown}; available: {available}")
+    return {name: by_name[name] for name in dict.fromkeys(sample.tools)}
+
+
+def _tool_message(name: str, call_id: str, content: str) -> Message:
+    return {"role": "tool", "name": name, "tool_call_id": call_id, "content": content}
+
+
+def _error(text: str) -> _CallResult:
+    return _CallResult(ToolOutput(text), failed=True)

@@ -1,0 +1,64 @@
+"""Small envs for tests and smoke runs: deterministic, instant, and failing on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from turnrl.env.base import Env, StepResult
+from turnrl.types import Sample
+
+
+class EchoEnv(Env):
+    """Answers every turn with a user message; done after ``done_after`` turns (0: never)."""
+
+    def __init__(self, sample: Sample, done_after: int = 0, reply: str = "Go on.", reward: float = 1.0) -> None:
+        super().__init__(sample)
+        self.done_after = done_after
+        self.reply = reply
+        self.reward = reward
+        self.steps = 0
+        self.closed = False
+
+    async def step(self, action: str) -> StepResult:
+        """Count the turn; answer with the same reply."""
+        self.steps += 1
+        done = bool(self.done_after) and self.steps >= self.done_after
+        return StepResult(f"{self.reply} (turn {self.steps})", self.reward if done else 0.0, done)
+
+    async def close(self) -> None:
+        """Remember that close ran."""
+        self.closed = True
+
+    @staticmethod
+    def dataset(size: int = 4) -> list[dict[str, Any]]:
+        """Rows asking for a short story, told turn by turn."""
+        return [{"id": f"echo-{i}", "prompt": f"Tell story number {i}, one sentence per turn."} for i in range(size)]
+
+
+class FlakyEnv(EchoEnv):
+    """Fails its first ``failures`` step attempts of every turn (raising, or hanging past a timeout)."""
+
+    def __init__(self, sample: Sample, failures: int = 1, hang: bool = False, **kwargs: Any) -> None:
+        super().__init__(sample, **kwargs)
+        self.failures = failures
+        self.hang = hang
+        self.attempts = 0
+
+    async def step(self, action: str) -> StepResult:
+        """Fail ``failures`` times per turn, then succeed."""
+        self.attempts += 1
+        if self.attempts <= self.failures:
+            if self.hang:
+                await asyncio.sleep(3600)
+            raise ConnectionError(f"flaky env: attempt {self.attempts} failed")
+        self.attempts = 0
+        return await super().step(action)
+
+
+class BrokenResetEnv(EchoEnv):
+    """Raises in reset, always."""
+
+    async def reset(self) -> list[dict[str, Any]]:
+        """Fail."""
+        raise RuntimeError("reset is broken")

@@ -1,0 +1,110 @@
+"""Load tools from verl's tool config YAML.
+
+.. code-block:: yaml
+
+    tools:
+      - class_name: "pkg.module.MyTool"      # a BaseTool subclass, or a plain typed function
+        config: {}                           # passed to the class constructor
+        tool_schema:                         # optional for functions (derived from the signature)
+          type: function
+          function: {name: my_tool, description: ..., parameters: {...}}
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from turnrl.tools.base import BaseTool, ToolSchema, normalize_schema
+from turnrl.tools.function import FunctionTool
+
+
+class ToolConfigError(ValueError):
+    """A tool config file or one of its entries is invalid."""
+
+
+def load_tools_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> list[BaseTool]:
+    """Build the tools of a config: a YAML file path or the already loaded dict."""
+    data = source if isinstance(source, Mapping) else _read_yaml(Path(source))
+    entries = data.get("tools") if isinstance(data, Mapping) else None
+    if not isinstance(entries, list):
+        raise ToolConfigError("tool config needs a 'tools' list")
+    tools = [_build_tool(entry, i) for i, entry in enumerate(entries)]
+    _check_unique([t.name for t in tools])
+    return tools
+
+
+def import_object(path: str) -> Any:
+    """Import ``package.module.Name`` (or ``package.module:Name``); ToolConfigError names what failed."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise ToolConfigError(f"cannot import tool class '{path}': expected 'package.module.Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ToolConfigError(f"cannot import tool class '{path}': {type(e).__name__}: {e}") from e
+    if not hasattr(module, attr):
+        raise ToolConfigError(f"cannot import tool class '{path}': module '{module_name}' has no '{attr}'")
+    return getattr(module, attr)
+
+
+def _read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        raise ToolConfigError(f"tool config file not found: {path}")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ToolConfigError(f"invalid YAML in {path}: {' '.join(str(e).split())}") from e
+
+
+def _build_tool(entry: Any, index: int) -> BaseTool:
+    if not isinstance(entry, Mapping) or not entry.get("class_name"):
+        raise ToolConfigError(f"tools[{index}] needs a 'class_name'")
+    class_name = str(entry["class_name"])
+    where = f"tools[{index}] ({class_name})"
+    schema = _schema(entry.get("tool_schema"), where)
+    config = dict(entry.get("config") or {})
+    obj = import_object(class_name)
+    try:
+        tool = _instantiate(obj, config, schema, where)
+        if not tool.name:  # a tool without a schema fails here, at load time
+            raise ToolConfigError(f"{where}: the tool has an empty name")
+    except ToolConfigError:
+        raise
+    except Exception as e:
+        raise ToolConfigError(f"{where}: cannot build the tool: {type(e).__name__}: {e}") from e
+    return tool
+
+
+def _instantiate(obj: Any, config: dict[str, Any], schema: ToolSchema | None, where: str) -> BaseTool:
+    if isinstance(obj, type) and issubclass(obj, BaseTool):
+        return obj(config=config, tool_schema=schema)
+    if isinstance(obj, BaseTool):
+        if schema or config:
+            raise ToolConfigError(f"{where} is already a tool instance; it takes no config or tool_schema")
+        return obj
+    if callable(obj) and not isinstance(obj, type):
+        return FunctionTool(obj, tool_schema=schema, config=config)
+    raise ToolConfigError(f"{where} is neither a BaseTool subclass nor a function")
+
+
+def _schema(schema: Any, where: str) -> ToolSchema | None:
+    if schema is None:
+        return None
+    if not isinstance(schema, Mapping):
+        raise ToolConfigError(f"{where}: tool_schema must be a mapping")
+    try:
+        return normalize_schema(schema)
+    except ValueError:
+        raise ToolConfigError(f"{where}: tool_schema is missing function.name") from None
+
+
+def _check_unique(names: list[str]) -> None:
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ToolConfigError(f"duplicate tool name(s) in config: {', '.join(duplicates)}")
