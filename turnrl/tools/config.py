@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from turnrl.imports import ImportSpecError, import_object
 from turnrl.tools.base import BaseTool, ToolSchema, normalize_schema
 from turnrl.tools.function import FunctionTool
 
@@ -39,20 +39,6 @@ def load_tools_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> lis
     return tools
 
 
-def import_object(path: str) -> Any:
-    """Import ``package.module.Name`` (or ``package.module:Name``); ToolConfigError names what failed."""
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise ToolConfigError(f"cannot import tool class '{path}': expected 'package.module.Name'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ToolConfigError(f"cannot import tool class '{path}': {type(e).__name__}: {e}") from e
-    if not hasattr(module, attr):
-        raise ToolConfigError(f"cannot import tool class '{path}': module '{module_name}' has no '{attr}'")
-    return getattr(module, attr)
-
-
 def _read_yaml(path: Path) -> Any:
     if not path.is_file():
         raise ToolConfigError(f"tool config file not found: {path}")
@@ -69,7 +55,10 @@ def _build_tool(entry: Any, index: int) -> BaseTool:
     where = f"tools[{index}] ({class_name})"
     schema = _schema(entry.get("tool_schema"), where)
     config = dict(entry.get("config") or {})
-    obj = import_object(class_name)
+    try:
+        obj = import_object(class_name, "tool class")
+    except ImportSpecError as e:
+        raise ToolConfigError(str(e)) from None
     try:
         tool = _instantiate(obj, config, schema, where)
         if not tool.name:  # a tool without a schema fails here, at load time

@@ -1,0 +1,84 @@
+"""The command line as a user runs it: real processes, exit codes, one-line errors, files on disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+
+def turnrl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "turnrl.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def write_config(tmp_path: Path, model: str, overrides: dict[str, Any] | None = None) -> Path:
+    config: dict[str, Any] = {
+        "model": model,
+        "env": {"name": "turnrl.testing:EchoEnv", "kwargs": {"done_after": 2}},
+        "data": {"kwargs": {"size": 3}},
+        "sampling": {"max_tokens": 8},
+        "limits": {"max_turns": 3, "max_context_tokens": 512},
+        "rollout": {"n": 2, "concurrency": 4},
+        "output_dir": str(tmp_path / "run"),
+    }
+    for key, value in (overrides or {}).items():
+        config[key] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_rollout_writes_trajectories_and_summary(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    config = write_config(tmp_path, str(tiny_qwen3_dir))
+    result = turnrl("rollout", str(config), "--set", "rollout.n=2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 6
+    first = json.loads(lines[0])
+    assert len(first["response_ids"]) == len(first["loss_mask"]) == len(first["rollout_logprobs"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["trajectories"] == 6 and sum(summary["stop_reasons"].values()) == 6
+    again = turnrl("rollout", str(config), cwd=tmp_path)
+    assert again.returncode == 2 and "already exists" in again.stderr  # never overwrites silently
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"limits": {"max_turn": 3}}, "unknown config key 'limits.max_turn'"),
+        ({"model": "/no/such/model"}, "/no/such/model"),
+        ({"env": {"name": "no_such_module:Env"}}, "env 'no_such_module:Env' could not be imported"),
+        ({"data": {"path": "rows.jsonl"}}, "data row 1 of rows.jsonl has no 'prompt'"),
+        ({"sampling": {"temperature": -1}}, "config key 'sampling.temperature'"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "hi"}\n{"id": "x", "answer": 3}\n')
+    config = write_config(tmp_path, "tiny-qwen3", change)
+    result = turnrl("rollout", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_set_key_and_missing_config(tmp_path: Path) -> None:
+    config = write_config(tmp_path, "tiny-qwen3")
+    result = turnrl("rollout", str(config), "--set", "rollout.nn=3", cwd=tmp_path)
+    assert result.returncode == 2 and "unknown config key 'rollout.nn'" in result.stderr
+    result = turnrl("rollout", str(tmp_path / "missing.yaml"), cwd=tmp_path)
+    assert result.returncode == 2 and "config file not found" in result.stderr
+
+
+def test_check_template(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    result = turnrl("check-template", str(tiny_qwen3_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "SAFE for delta encoding" in result.stdout and "role 'tool': fast path" in result.stdout
+    result = turnrl("check-template", str(tmp_path / "nothing-here"), cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
