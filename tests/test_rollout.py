@@ -36,7 +36,7 @@ def spec_for(engine: Any, tokenizer: Any, env: Any, **limits: Any) -> RolloutSpe
         env_factory=env,
         engine=engine,
         encoder=ChatEncoder(tokenizer),
-        sampling=SamplingParams(max_tokens=limits.pop("max_tokens", 64)),
+        sampling=SamplingParams(max_tokens=limits.pop("max_tokens", 64), seed=limits.pop("seed", None)),
         limits=Limits(**{"max_turns": 4, "env_timeout_s": 2.0, **limits}),
     )
 
@@ -184,16 +184,21 @@ class RecordingEngine:
 
 async def test_real_engine_rollouts_are_exact(tiny_qwen3_model: Any, qwen3_tokenizer: Any, tmp_path: Path) -> None:
     engine = RecordingEngine(HFEngine(tiny_qwen3_model, qwen3_tokenizer, max_batch_size=8, seed=0))
-    spec = spec_for(engine, qwen3_tokenizer, lambda s: EchoEnv(s, done_after=3), max_tokens=12)
+    spec = spec_for(engine, qwen3_tokenizer, lambda s: EchoEnv(s, done_after=3), max_tokens=12, seed=7)
     samples = [Sample(f"p{i}", [{"role": "user", "content": f"Count to {i}."}]) for i in range(4)]
     out = tmp_path / "trajectories.jsonl"
     trajs = await collect(samples, spec, n=2, concurrency=8, out_path=out)
-    await engine.close()
     assert len(trajs) == 8 and sorted(t.id for t in trajs) == sorted(f"p{i}/{k}" for i in range(4) for k in range(2))
     assert read_trajectories(out) == trajs or [t.id for t in read_trajectories(out)] == [t.id for t in trajs]
     lines = out.read_text().splitlines()
     assert len(lines) == 8 and json.loads(lines[0])["stop_reason"] in {r.value for r in StopReason}
     returned = {tuple(g) for g in engine.generations}
+    by_id = {t.id: t for t in trajs}
+    for i in range(4):  # a group's samples differ: each request gets its own seed
+        assert by_id[f"p{i}/0"].response_ids != by_id[f"p{i}/1"].response_ids
+    again = await run_trajectory(samples[0], spec, 1)  # and the seeds make them reproducible
+    assert again.response_ids == by_id["p0/1"].response_ids
+    await engine.close()
     for traj in trajs:
         assert_record_consistent(traj)
         assert traj.group_id == traj.id.split("/")[0]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,13 @@ async def _call_env(coro_fn: Any, limits: Limits) -> tuple[Any, int]:
     raise EnvFailure(f"env failed {len(errors)} times; last: {errors[-1]}", len(errors))
 
 
+def request_seed(base: int | None, sample: Sample, index: int, turn: int) -> int | None:
+    """A distinct, reproducible seed per (sample, index in group, turn), or None when unseeded."""
+    if base is None:
+        return None
+    return zlib.crc32(f"{base}/{sample.id}/{index}/{turn}".encode())
+
+
 def _budget(record: ResponseRecord, limits: Limits) -> int:
     """Tokens the next generation may still use."""
     left = limits.max_context_tokens - len(record.sequence)
@@ -113,9 +122,9 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
             t0 = time.perf_counter()
             try:
                 # The live sequence is passed without a copy (O(1) per turn); engines must not keep it.
-                gen: Generation = await spec.engine.generate(
-                    record.sequence, spec.sampling.with_max_tokens(max_tokens)
-                )
+                seed = request_seed(spec.sampling.seed, sample, sample_index, record.num_model_turns)
+                sampling = dataclasses.replace(spec.sampling, max_tokens=max_tokens, seed=seed)
+                gen: Generation = await spec.engine.generate(record.sequence, sampling)
             except Exception as exc:
                 error, stop = f"engine: {type(exc).__name__}: {exc}", StopReason.ENGINE_ERROR
                 break

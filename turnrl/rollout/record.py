@@ -18,6 +18,7 @@ class ResponseRecord:
     rollout_logprobs: list[float] = field(default_factory=list)  # 0.0 where mask is 0
     turns: list[Turn] = field(default_factory=list)  # spans in order
     messages: list[Message] = field(default_factory=list)  # the conversation so far
+    num_model_turns: int = 0  # model turns so far
 
     def add_model(self, gen: Generation, text: str, seconds: float) -> Turn:
         """Append the engine's tokens exactly as sampled (mask 1)."""
@@ -32,6 +33,7 @@ class ResponseRecord:
             "assistant", start, len(self.response_ids), text, {"generate": seconds}, gen.finish_reason
         )
         self.turns.append(turn)
+        self.num_model_turns += 1
         return turn
 
     def add_env(
@@ -48,8 +50,3 @@ class ResponseRecord:
             Turn(role, start, len(self.response_ids), text, {"encode": seconds}, None, None, retries)
         )
         self.messages += messages
-
-    @property
-    def num_model_turns(self) -> int:
-        """Model turns so far."""
-        return sum(1 for t in self.turns if t.role == "assistant")
