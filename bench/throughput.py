@@ -29,7 +29,10 @@ from turnrl.types import Sample
 
 
 def samples(count: int) -> list[Sample]:
-    return [Sample(f"s{i}", [{"role": "user", "content": f"Tell story {i}, a sentence a turn."}]) for i in range(count)]
+    return [
+        Sample(f"s{i}", [{"role": "user", "content": f"Tell story {i}, a sentence a turn."}])
+        for i in range(count)
+    ]
 
 
 async def rollout_side(engine: HFEngine, tokenizer: Any, args: argparse.Namespace) -> tuple[int, float]:

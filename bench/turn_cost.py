@@ -63,7 +63,9 @@ class InstantEngine:
         self.gaps: list[float] = []
         self._returned: float | None = None
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Any = ()) -> Generation:
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Any = ()
+    ) -> Generation:
         now = time.perf_counter()
         if self._returned is not None:
             self.gaps.append(now - self._returned)
@@ -88,10 +90,12 @@ class InstantToolEnv(Env):
 def turnrl_costs(tokenizer: Any, turns: int) -> list[float]:
     """Seconds of rollout-layer work per turn, for each turn of one trajectory."""
     encoder = ChatEncoder(tokenizer)
-    reply_ids = encoder.template.encode(REPLY) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    reply_ids = [*encoder.template.encode(REPLY), tokenizer.convert_tokens_to_ids("<|im_end|>")]
     engine = InstantEngine(reply_ids)
     limits = Limits(max_turns=turns, max_context_tokens=10**7, env_timeout_s=None)
-    spec = RolloutSpec(InstantToolEnv, engine, encoder, SamplingParams(max_tokens=10**6), limits, check="disable")
+    spec = RolloutSpec(
+        InstantToolEnv, engine, encoder, SamplingParams(max_tokens=10**6), limits, check="disable"
+    )
     asyncio.run(run_trajectory(Sample("bench", PROMPT), spec))
     return engine.gaps
 
@@ -104,7 +108,9 @@ def rerender_costs(tokenizer: Any, turns: int) -> list[float]:
         messages.append({"role": "assistant", "content": REPLY})
         messages.append({"role": "tool", "name": "calc", "tool_call_id": "call_0", "content": RESULT})
         t0 = time.perf_counter()
-        text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
+        )
         tokenizer.encode(text, add_special_tokens=False)
         costs.append(time.perf_counter() - t0)
     return costs
@@ -118,7 +124,9 @@ def bare_delta_costs(tokenizer: Any, turns: int) -> list[float]:
         obs = {"role": "tool", "name": "calc", "tool_call_id": "call_0", "content": RESULT}
         t0 = time.perf_counter()
         prev = tokenizer.apply_chat_template(base, tools=TOOLS, tokenize=False)
-        full = tokenizer.apply_chat_template([*base, obs], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(
+            [*base, obs], tools=TOOLS, add_generation_prompt=True, tokenize=False
+        )
         tokenizer.encode(full[len(prev) :], add_special_tokens=False)
         costs.append(time.perf_counter() - t0)
     return costs
@@ -142,7 +150,9 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, fn in methods.items():
             runs[name].append(fn(tokenizer, longest + 1))
-    print(f"per-turn cost (ms, median over {args.repeats} runs) at N turns of history; Qwen3 template + 1 tool")
+    print(
+        f"per-turn cost (ms, median over {args.repeats} runs) at N turns of history; Qwen3 template + 1 tool"
+    )
     print(f"{'method':<12}" + "".join(f"{n:>10}" for n in args.turns))
     table: dict[str, list[float]] = {}
     for name, all_costs in runs.items():

@@ -63,7 +63,10 @@ def test_tool_deltas_equal_full_render_and_never_repeat_preamble(qwen3_tokenizer
     encoder = ChatEncoder(qwen3_tokenizer)
     turns = [
         ("<think>\nuse the tool\n</think>\n\n" + CALL, [tool_msg("42")]),
-        ("<think>\ntwo calls\n</think>\n\n" + CALL + "\n" + CALL, [tool_msg("42", 0), tool_msg("  42\n\n", 1)]),
+        (
+            "<think>\ntwo calls\n</think>\n\n" + CALL + "\n" + CALL,
+            [tool_msg("42", 0), tool_msg("  42\n\n", 1)],
+        ),
         ("<think>\ndone\n</think>\n\nThe answer is 42.", []),
     ]
     prompt_ids, response, messages, _ = simulate(encoder, TOOLS, turns)

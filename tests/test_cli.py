@@ -59,7 +59,9 @@ def test_rollout_writes_trajectories_and_summary(tmp_path: Path, tiny_qwen3_dir:
         ({"sampling": {"temperature": -1}}, "config key 'sampling.temperature'"),
     ],
 )
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+def test_bad_input_is_one_line_and_writes_nothing(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
     (tmp_path / "rows.jsonl").write_text('{"prompt": "hi"}\n{"id": "x", "answer": 3}\n')
     config = write_config(tmp_path, "tiny-qwen3", change)
     result = turnrl("rollout", str(config), cwd=tmp_path)

@@ -23,7 +23,10 @@ from turnrl.tools import FunctionTool
 from turnrl.tools.builtin import calculator
 from turnrl.types import Sample, StopReason, Trajectory
 
-PROMPT = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 17*23+4?"}]
+PROMPT = [
+    {"role": "system", "content": "Use the calculator."},
+    {"role": "user", "content": "What is 17*23+4?"},
+]
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 
 
@@ -75,13 +78,17 @@ async def test_tool_rollout_equals_full_rerender(qwen3_tokenizer: Any) -> None:
     # strict sanity check: the whole sequence equals a full re-render of the final messages
     assert traj.metrics["check/ok"] is True and traj.metrics["check/mismatches"] == 0
     plain = [{k: v for k, v in m.items() if k != "tool_calls"} for m in traj.messages]
-    rendered = qwen3_tokenizer.apply_chat_template(plain, tools=tool_env(Sample("x", [])).tools, tokenize=False)
+    rendered = qwen3_tokenizer.apply_chat_template(
+        plain, tools=tool_env(Sample("x", [])).tools, tokenize=False
+    )
     assert sequence + qwen3_tokenizer.encode("\n", add_special_tokens=False) == qwen3_tokenizer.encode(
         rendered, add_special_tokens=False
     )
     text = qwen3_tokenizer.decode(sequence)
     assert text.count("# Tools") == 1 and text.count("<|im_start|>system") == 1
-    assert "<tool_response>\n391\n</tool_response>" in text and "<tool_response>\n395\n</tool_response>" in text
+    assert (
+        "<tool_response>\n391\n</tool_response>" in text and "<tool_response>\n395\n</tool_response>" in text
+    )
     assert traj.messages[2]["tool_calls"][0]["function"]["arguments"] == {"expression": "17*23"}
 
 
@@ -117,7 +124,9 @@ async def test_every_stop_reason(
     qwen3_tokenizer: Any, env: Any, limits: dict[str, Any], replies: list[Any], expected: StopReason
 ) -> None:
     prompt = [{"role": "user", "content": "Hi"}]
-    traj = await run(spec_for(ScriptedEngine(qwen3_tokenizer, replies), qwen3_tokenizer, env, **limits), prompt)
+    traj = await run(
+        spec_for(ScriptedEngine(qwen3_tokenizer, replies), qwen3_tokenizer, env, **limits), prompt
+    )
     assert traj.stop_reason == expected, traj.error
     assert_record_consistent(traj)
     assert len(traj.prompt_ids) + len(traj.response_ids) <= limits.get("max_context_tokens", 4096)
@@ -127,7 +136,9 @@ async def test_every_stop_reason(
 async def test_observation_that_would_overflow_is_not_appended(qwen3_tokenizer: Any) -> None:
     prompt = [{"role": "user", "content": "Hi"}]
     long_reply = lambda s: EchoEnv(s, reply="very long observation " * 20)  # noqa: E731
-    spec = spec_for(ScriptedEngine(qwen3_tokenizer, ["ok", "ok"]), qwen3_tokenizer, long_reply, max_context_tokens=60)
+    spec = spec_for(
+        ScriptedEngine(qwen3_tokenizer, ["ok", "ok"]), qwen3_tokenizer, long_reply, max_context_tokens=60
+    )
     traj = await run(spec, prompt)
     assert traj.stop_reason == StopReason.TOKEN_BUDGET and traj.truncated
     assert traj.turns[-1].role == "assistant"  # the overflowing observation was left out whole
@@ -173,7 +184,9 @@ class RecordingEngine:
         self.inner = inner
         self.generations: list[list[int]] = []
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Any = ()) -> Generation:
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Any = ()
+    ) -> Generation:
         gen = await self.inner.generate(prompt_ids, sampling)
         self.generations.append(list(gen.token_ids))
         return gen
@@ -182,13 +195,17 @@ class RecordingEngine:
         await self.inner.close()
 
 
-async def test_real_engine_rollouts_are_exact(tiny_qwen3_model: Any, qwen3_tokenizer: Any, tmp_path: Path) -> None:
+async def test_real_engine_rollouts_are_exact(
+    tiny_qwen3_model: Any, qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
     engine = RecordingEngine(HFEngine(tiny_qwen3_model, qwen3_tokenizer, max_batch_size=8, seed=0))
     spec = spec_for(engine, qwen3_tokenizer, lambda s: EchoEnv(s, done_after=3), max_tokens=12, seed=7)
     samples = [Sample(f"p{i}", [{"role": "user", "content": f"Count to {i}."}]) for i in range(4)]
     out = tmp_path / "trajectories.jsonl"
     trajs = await collect(samples, spec, n=2, concurrency=8, out_path=out)
-    assert len(trajs) == 8 and sorted(t.id for t in trajs) == sorted(f"p{i}/{k}" for i in range(4) for k in range(2))
+    assert len(trajs) == 8 and sorted(t.id for t in trajs) == sorted(
+        f"p{i}/{k}" for i in range(4) for k in range(2)
+    )
     assert read_trajectories(out) == trajs or [t.id for t in read_trajectories(out)] == [t.id for t in trajs]
     lines = out.read_text().splitlines()
     assert len(lines) == 8 and json.loads(lines[0])["stop_reason"] in {r.value for r in StopReason}

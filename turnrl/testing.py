@@ -12,7 +12,9 @@ from turnrl.types import Sample
 class EchoEnv(Env):
     """Answers every turn with a user message; done after ``done_after`` turns (0: never)."""
 
-    def __init__(self, sample: Sample, done_after: int = 0, reply: str = "Go on.", reward: float = 1.0) -> None:
+    def __init__(
+        self, sample: Sample, done_after: int = 0, reply: str = "Go on.", reward: float = 1.0
+    ) -> None:
         super().__init__(sample)
         self.done_after = done_after
         self.reply = reply
@@ -33,7 +35,10 @@ class EchoEnv(Env):
     @staticmethod
     def dataset(size: int = 4) -> list[dict[str, Any]]:
         """Rows asking for a short story, told turn by turn."""
-        return [{"id": f"echo-{i}", "prompt": f"Tell story number {i}, one sentence per turn."} for i in range(size)]
+        return [
+            {"id": f"echo-{i}", "prompt": f"Tell story number {i}, one sentence per turn."}
+            for i in range(size)
+        ]
 
 
 class FlakyEnv(EchoEnv):

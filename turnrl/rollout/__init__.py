@@ -1,0 +1,14 @@
+"""The turn loop and the collector."""
+
+from turnrl.rollout.collector import collect, iter_trajectories, read_trajectories, summarize
+from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+
+__all__ = [
+    "Limits",
+    "RolloutSpec",
+    "collect",
+    "iter_trajectories",
+    "read_trajectories",
+    "run_trajectory",
+    "summarize",
+]
