@@ -231,3 +231,16 @@ async def test_real_engine_rollouts_are_exact(
         for i, (lp, m) in enumerate(zip(traj.rollout_logprobs, traj.loss_mask, strict=True)):
             if m:
                 assert abs(float(logprobs[p + i - 1]) - lp) < 2e-3
+
+
+async def test_non_canonical_sampled_tokens_are_kept_and_reported(qwen3_tokenizer: Any) -> None:
+    newline = qwen3_tokenizer.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1 and len(qwen3_tokenizer.encode("\n\n", add_special_tokens=False)) == 1
+    hi, there = (qwen3_tokenizer.encode(w, add_special_tokens=False) for w in ("Hi", "there"))
+    reply = ScriptedReply(token_ids=[*hi, *newline, *newline, *there])  # "\n\n" as two tokens
+    engine = ScriptedEngine(qwen3_tokenizer, [reply])
+    traj = await run(spec_for(engine, qwen3_tokenizer, lambda s: EchoEnv(s, done_after=1)))
+    assert traj.response_ids[: len(hi) + 2] == [*hi, *newline, *newline]  # kept exactly as sampled
+    assert traj.metrics["check/ok"] is True and traj.metrics["check/expected_diffs"] >= 1
+    kinds = [(h["kind"], h["expected"]) for h in traj.info["check"]["hunks"]]
+    assert ("same_text", True) in kinds

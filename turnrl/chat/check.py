@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from difflib import SequenceMatcher
 from typing import Any, Literal
@@ -74,8 +75,15 @@ def compare(
     reference_ids: list[int],
     mode: CheckMode,
     reasoning_rewritten: bool,
+    sampled: Sequence[int] | None = None,
 ) -> CheckResult:
-    """Diff two token sequences; ``reasoning_rewritten`` marks <think> differences as expected."""
+    """Diff two token sequences.
+
+    Differences are expected (reported, not counted) when they are <think> blocks a template
+    rewrites by design (``reasoning_rewritten``), or when the text is the same and every
+    differing token was sampled by the model (``sampled[i] == 1``): the model chose a
+    non-canonical tokenization, which the rollout keeps exactly as sampled.
+    """
     if mode == "disable":
         return CheckResult(mode=mode, ok=True)
     if incremental_ids == reference_ids:
@@ -87,7 +95,9 @@ def compare(
             continue
         inc, ref = template.decode(incremental_ids[i1:i2]), template.decode(reference_ids[j1:j2])
         kind = classify(inc, ref)
-        hunks.append(Hunk(kind, kind == "think" and reasoning_rewritten, i1, inc, ref))
+        by_model = sampled is not None and i2 > i1 and all(sampled[i] for i in range(i1, i2))
+        expected = (kind == "think" and reasoning_rewritten) or (kind == "same_text" and by_model)
+        hunks.append(Hunk(kind, expected, i1, inc, ref))
     result = CheckResult(mode=mode, ok=True, hunks=hunks)
     result.ok = result.mismatches == 0
     result.diff = render_diff(template, incremental_ids, result)

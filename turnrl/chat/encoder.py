@@ -117,14 +117,16 @@ class ConversationEncoder:
         last_token_text: str | None,
         ends_with_model: bool,
         mode: CheckMode,
+        loss_mask: Sequence[int] | None = None,
     ) -> CheckResult:
         """Compare the rollout's tokens with a full re-render of ``messages``."""
         if mode == "disable":
             return CheckResult(mode=mode, ok=True)
-        incremental = prompt_ids + response_ids
-        if ends_with_model:
-            incremental += self.closing_ids(last_token_text)
+        closing = self.closing_ids(last_token_text) if ends_with_model else []
+        incremental = prompt_ids + response_ids + closing
+        sampled = None
+        if loss_mask is not None:
+            sampled = [0] * len(prompt_ids) + list(loss_mask) + [0] * len(closing)
         rendered = self.template.render(messages, self.tools, not ends_with_model)
-        return compare(
-            self.template, incremental, self.template.encode(rendered), mode, self.probe.rewrites_reasoning
-        )
+        reference = self.template.encode(rendered)
+        return compare(self.template, incremental, reference, mode, self.probe.rewrites_reasoning, sampled)

@@ -238,6 +238,7 @@ def _finish_metrics(
             last_text,
             ends_with_model,
             mode,
+            traj.loss_mask,
         )
     except Exception as exc:  # a template that cannot render the final messages
         traj.metrics["check/error"] = f"{type(exc).__name__}: {exc}"
