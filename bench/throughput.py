@@ -1,14 +1,14 @@
 """Rollout throughput against the engine driven directly, on the same multi-turn workload.
 
-Both sides use the same embedded engine and model and run the same number of concurrent
-multi-turn conversations with the same turn count, generation length and observation
-length. The engine-direct side is the least a multi-turn workload can cost: a bare loop that
-calls ``engine.generate`` and appends pre-tokenized observation ids. The rollout side is the
-full ``turnrl`` path (env step, decode, delta encoding, bookkeeping, sanity check).
-Generations use ``ignore_eos``-like fixed lengths (eos is not a stop id here) so both sides
-generate exactly the same number of tokens.
+Both sides use the same embedded engine and model and run the same concurrent multi-turn
+conversations: the same prompts, the same per-request seeds (so, since each request samples
+with its own generator, the same tokens whatever the batch), and the same observations. The
+engine-direct side is the least such a workload can cost: a bare loop that calls
+``engine.generate`` and appends the observation ids. The rollout side is the full ``turnrl``
+path (env step, decode, delta encoding, bookkeeping, the end-of-trajectory sanity check).
+Both sides must generate the same number of tokens; the script checks it.
 
-    .venv/bin/python bench/throughput.py [--model tiny-qwen3] [--trajectories 32] [--turns 3]
+    .venv/bin/python bench/throughput.py [--model smollm2-135m] [--trajectories 32] [--turns 3]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.base import SamplingParams
 from turnrl.engines.hf import HFEngine
 from turnrl.rollout.collector import collect
-from turnrl.rollout.loop import Limits, RolloutSpec
+from turnrl.rollout.loop import Limits, RolloutSpec, request_seed
 from turnrl.testing import EchoEnv
 from turnrl.types import Sample
 
@@ -41,7 +41,7 @@ async def rollout_side(engine: HFEngine, tokenizer: Any, args: argparse.Namespac
         env_factory=lambda s: EchoEnv(s),
         engine=engine,
         encoder=ChatEncoder(tokenizer),
-        sampling=SamplingParams(temperature=1.0, max_tokens=args.tokens, seed=0),
+        sampling=SamplingParams(max_tokens=args.tokens, seed=0),
         limits=Limits(max_turns=args.turns, max_context_tokens=8192),
     )
     t0 = time.perf_counter()
@@ -53,16 +53,21 @@ async def rollout_side(engine: HFEngine, tokenizer: Any, args: argparse.Namespac
 async def engine_side(engine: HFEngine, tokenizer: Any, args: argparse.Namespace) -> tuple[int, float]:
     """(model tokens, seconds) for a bare loop on the engine with the same shape."""
     encoder = ChatEncoder(tokenizer).conversation(None)
-    sampling = SamplingParams(temperature=1.0, max_tokens=args.tokens, seed=0)
-    obs_ids = encoder.encode_observation([{"role": "user", "content": "Go on. (turn 1)"}], None)
 
     async def one(sample: Sample) -> int:
         seq = encoder.encode_prompt(sample.prompt)
         made = 0
         for turn in range(args.turns):
+            sampling = SamplingParams(max_tokens=args.tokens, seed=request_seed(0, sample, 0, turn))
             gen = await engine.generate(seq, sampling)
             made += len(gen.token_ids)
-            seq = seq + gen.token_ids + (obs_ids if turn + 1 < args.turns else [])
+            if gen.finish_reason != "stop" or turn + 1 == args.turns:
+                break
+            last = tokenizer.decode(gen.token_ids[-1:])
+            seq = seq + gen.token_ids
+            seq += encoder.encode_observation(
+                [{"role": "user", "content": f"Go on. (turn {turn + 1})"}], last
+            )
         return made
 
     t0 = time.perf_counter()
@@ -71,16 +76,20 @@ async def engine_side(engine: HFEngine, tokenizer: Any, args: argparse.Namespace
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    engine = HFEngine.from_spec(args.model, max_batch_size=args.trajectories, eos_token_ids=[], seed=0)
+    engine = HFEngine.from_spec(args.model, max_batch_size=args.trajectories)
     tokenizer = engine.tokenizer
     await engine_side(engine, tokenizer, argparse.Namespace(**{**vars(args), "trajectories": 4, "turns": 1}))
+    counts: set[int] = set()
     rates: dict[str, list[float]] = {"engine": [], "rollout": []}
     for _ in range(args.repeats):
         for name, side in (("engine", engine_side), ("rollout", rollout_side)):
             tokens, seconds = await side(engine, tokenizer, args)
+            counts.add(tokens)
             rates[name].append(tokens / seconds)
             print(f"  {name:<8} {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.1f} tok/s")
     await engine.close()
+    if len(counts) != 1:
+        print(f"WARNING: the two sides generated different token counts: {sorted(counts)}")
     engine_rate, rollout_rate = (statistics.median(rates[k]) for k in ("engine", "rollout"))
     print(
         f"{args.model}: {args.trajectories} trajectories x {args.turns} turns x {args.tokens} tokens; "
@@ -91,10 +100,10 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny-qwen3")
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--trajectories", type=int, default=32)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     asyncio.run(main_async(parser.parse_args()))
 

@@ -1,0 +1,263 @@
+"""HFEngine: exact logprobs, continuous batching, stops, seeds, weight updates, SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from turnrl.engines import Engine, EngineError, HFEngine, SamplingParams
+from turnrl.engines.hf import sample_token
+from turnrl.models import load_model, load_tokenizer
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture
+async def engine(tiny_qwen3_model: Any) -> AsyncIterator[HFEngine]:
+    """An engine over the shared tiny model."""
+    async with HFEngine(tiny_qwen3_model, seed=0) as eng:
+        yield eng
+
+
+def chat_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A chat prompt's token ids, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
+    return list(ids)
+
+
+def forward_logprobs(model: Any, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of a fresh full forward pass, at each generated position: [len(tokens), V]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / (temperature or 1.0), -1)
+
+
+def gathered(logprobs: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """The logprob of each token at its own position."""
+    return logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_is_an_engine(tiny_qwen3_model: Any) -> None:
+    assert isinstance(HFEngine(tiny_qwen3_model), Engine)
+
+
+async def test_greedy_logprobs_match_forward_pass(
+    engine: HFEngine, tiny_qwen3_model: Any, qwen3_tokenizer: Any
+) -> None:
+    prompt = chat_prompt(qwen3_tokenizer, "Count to ten.")
+    gen = await engine.generate(prompt, GREEDY)
+    assert len(gen.token_ids) == len(gen.logprobs) == 12
+    ref = forward_logprobs(tiny_qwen3_model, prompt, gen.token_ids, 0.0)
+    assert gen.token_ids == ref.argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(gen.logprobs), gathered(ref, gen.token_ids), atol=1e-4, rtol=0)
+
+
+async def test_sampled_logprobs_are_full_vocab_not_top_k_renormalized(
+    engine: HFEngine, tiny_qwen3_model: Any, qwen3_tokenizer: Any
+) -> None:
+    prompt = chat_prompt(qwen3_tokenizer, "Tell me a story.")
+    sampling = SamplingParams(temperature=0.7, top_k=20, max_tokens=16, seed=1)
+    gen = await engine.generate(prompt, sampling)
+    ref = forward_logprobs(tiny_qwen3_model, prompt, gen.token_ids, 0.7)
+    expected = gathered(ref, gen.token_ids)
+    torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=1e-4, rtol=0)
+    top_values, top_ids = ref.topk(20, -1)
+    assert all(t in row for t, row in zip(gen.token_ids, top_ids.tolist(), strict=True))
+    renormalized = expected - torch.logsumexp(top_values, -1)
+    assert (renormalized - expected).min() > 0.5  # renormalizing over the top 20 would add this much
+
+
+async def test_top_p_samples_inside_the_nucleus(engine: HFEngine, tiny_qwen3_model: Any) -> None:
+    prompt = list(range(1000, 1040))
+    gen = await engine.generate(prompt, SamplingParams(temperature=1.0, top_p=0.3, max_tokens=16, seed=2))
+    ref = forward_logprobs(tiny_qwen3_model, prompt, gen.token_ids, 1.0)
+    for row, token in zip(ref, gen.token_ids, strict=True):
+        probs = row.exp()
+        mass_above = probs[probs > probs[token]].sum()
+        assert mass_above < 0.3
+
+
+def test_sample_token_frequencies_follow_the_filtered_distribution() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    generator = torch.Generator().manual_seed(0)
+    sampling = SamplingParams(temperature=1.0, top_k=2)
+    draws = [sample_token(logits, sampling, generator) for _ in range(4000)]
+    counts = torch.bincount(torch.tensor([t for t, _ in draws]), minlength=4).float() / len(draws)
+    torch.testing.assert_close(counts, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.03, rtol=0)
+    first_logprobs = {round(lp, 5) for t, lp in draws if t == 0}
+    assert first_logprobs == {round(float(torch.log(torch.tensor(0.5))), 5)}  # full vocab, not renormalized
+
+
+@pytest.mark.parametrize("max_batch_size", [32, 3])
+async def test_concurrent_requests_match_running_alone(
+    engine: HFEngine, tiny_qwen3_model: Any, qwen3_tokenizer: Any, max_batch_size: int
+) -> None:
+    prompts = [chat_prompt(qwen3_tokenizer, "hi " * (3 * i + 1)) for i in range(8)]
+    samplings = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i) for i in range(8)]
+    alone = [await engine.generate(p, s) for p, s in zip(prompts, samplings, strict=True)]
+
+    async def staggered(eng: HFEngine, i: int) -> Any:
+        await asyncio.sleep(0.02 * (i % 3))  # some join while others decode
+        return await eng.generate(prompts[i], samplings[i])
+
+    async with HFEngine(tiny_qwen3_model, max_batch_size=max_batch_size) as batched:
+        together = await asyncio.gather(*(staggered(batched, i) for i in range(8)))
+    for a, b in zip(alone, together, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+async def test_event_loop_runs_while_generating(engine: HFEngine) -> None:
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    gen = await engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60))
+    task.cancel()
+    assert len(gen.token_ids) == 60
+    assert ticks >= 10  # the loop was free while the worker thread decoded
+
+
+async def test_seed_reproduces_a_sample_even_in_a_batch(engine: HFEngine) -> None:
+    prompt = list(range(200, 230))
+    sampling = SamplingParams(temperature=1.0, max_tokens=10, seed=7)
+    first = await engine.generate(prompt, sampling)
+    others = [
+        engine.generate(list(range(50 + i, 80 + 2 * i)), SamplingParams(max_tokens=10)) for i in range(4)
+    ]
+    again, *_ = await asyncio.gather(engine.generate(prompt, sampling), *others)
+    assert again.token_ids == first.token_ids
+    other_seed = await engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=10, seed=8))
+    assert other_seed.token_ids != first.token_ids
+
+
+async def test_stop_token_is_included_with_finish_reason_stop(engine: HFEngine) -> None:
+    prompt = list(range(300, 320))
+    full = await engine.generate(prompt, GREEDY)
+    stop = full.token_ids[4]
+    cut = full.token_ids.index(stop) + 1
+    gen = await engine.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop,))
+    )
+    assert gen.finish_reason == "stop"
+    assert gen.token_ids == full.token_ids[:cut]
+    assert gen.logprobs == pytest.approx(full.logprobs[:cut], abs=1e-4)
+
+
+async def test_eos_ends_generation(tiny_qwen3_model: Any) -> None:
+    prompt = list(range(300, 320))
+    async with HFEngine(tiny_qwen3_model) as plain:
+        full = await plain.generate(prompt, GREEDY)
+    eos = full.token_ids[2]
+    async with HFEngine(tiny_qwen3_model, eos_token_ids=[eos]) as eng:
+        gen = await eng.generate(prompt, GREEDY)
+    assert gen.finish_reason == "stop"
+    assert gen.token_ids[-1] == eos
+    assert gen.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
+
+
+def test_default_eos_ids_come_from_the_generation_config(tiny_qwen3_model: Any, qwen3_tokenizer: Any) -> None:
+    assert HFEngine(tiny_qwen3_model).eos_token_ids == {151645, 151643}
+    assert HFEngine(tiny_qwen3_model, qwen3_tokenizer).eos_token_ids == {151645, 151643}
+
+
+async def test_max_tokens_gives_finish_reason_length(engine: HFEngine) -> None:
+    gen = await engine.generate([1, 2, 3], SamplingParams(temperature=1.0, max_tokens=5))
+    assert (len(gen.token_ids), gen.finish_reason) == (5, "length")
+    empty = await engine.generate([1, 2, 3], SamplingParams(max_tokens=0))
+    assert (empty.token_ids, empty.finish_reason) == ([], "length")
+
+
+async def test_update_weights_changes_outputs(tiny_qwen3_dir: Path) -> None:
+    model = load_model(str(tiny_qwen3_dir))
+    prompt = list(range(400, 430))
+    async with HFEngine(model) as eng:
+        before = await eng.generate(prompt, GREEDY)
+        generator = torch.Generator().manual_seed(0)
+        noisy = {
+            k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()
+        }
+        assert await eng.update_weights(noisy) == 1
+        after = await eng.generate(prompt, GREEDY)
+    assert after.token_ids != before.token_ids
+    assert after.info is not None and after.info["weight_versions"] == [1, 1]
+    ref = forward_logprobs(model, prompt, after.token_ids, 0.0)
+    torch.testing.assert_close(
+        torch.tensor(after.logprobs), gathered(ref, after.token_ids), atol=1e-4, rtol=0
+    )
+
+
+async def test_update_weights_waits_for_the_step_and_running_requests_go_on(tiny_qwen3_dir: Path) -> None:
+    model = load_model(str(tiny_qwen3_dir))
+    async with HFEngine(model) as eng:
+        running = asyncio.create_task(
+            eng.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=150))
+        )
+        await asyncio.sleep(0.2)
+        await eng.update_weights(model.state_dict())
+        gen = await running
+    assert gen.finish_reason == "length" and len(gen.token_ids) == 150
+    assert gen.info is not None and gen.info["weight_versions"] == [0, 1]
+
+
+async def test_bad_state_dict_raises_and_engine_goes_on(engine: HFEngine) -> None:
+    with pytest.raises(RuntimeError):
+        await engine.update_weights({"nope": torch.zeros(1)})
+    assert engine.weight_version == 0
+    assert len((await engine.generate([1, 2], GREEDY)).token_ids) == 12
+
+
+async def test_close_aborts_running_requests(tiny_qwen3_model: Any) -> None:
+    eng = HFEngine(tiny_qwen3_model)
+    running = asyncio.create_task(eng.generate([1, 2, 3], SamplingParams(max_tokens=20000)))
+    await asyncio.sleep(0.3)
+    await eng.close()
+    gen = await running
+    assert gen.finish_reason == "abort"
+    assert 0 < len(gen.token_ids) == len(gen.logprobs) < 20000
+    with pytest.raises(EngineError, match="closed"):
+        await eng.generate([1, 2, 3], GREEDY)
+
+
+async def test_cancelled_request_leaves_the_batch(engine: HFEngine) -> None:
+    task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_tokens=20000)))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gen = await asyncio.wait_for(engine.generate([4, 5, 6], GREEDY), timeout=10)
+    assert len(gen.token_ids) == 12
+
+
+@pytest.mark.parametrize(
+    ("prompt", "images", "match"),
+    [([], (), "empty"), ([1, 2], ("img",), "text-only"), ([10**7], (), "vocabulary")],
+)
+async def test_bad_requests_raise_engine_error(
+    engine: HFEngine, prompt: list[int], images: Any, match: str
+) -> None:
+    with pytest.raises(EngineError, match=match):
+        await engine.generate(prompt, GREEDY, images)
+
+
+@pytest.mark.slow
+async def test_smollm2_gguf_answers_with_its_chat_template() -> None:
+    tokenizer = load_tokenizer("smollm2-135m")
+    assert tokenizer.chat_template
+    prompt = chat_prompt(tokenizer, "What is the capital of France?")
+    async with HFEngine.from_spec("smollm2-135m") as eng:
+        gen = await eng.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
+    assert "Paris" in tokenizer.decode(gen.token_ids)
+    assert gen.finish_reason == "stop" and gen.token_ids[-1] == tokenizer.eos_token_id

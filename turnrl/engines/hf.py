@@ -1,0 +1,516 @@
+"""An in-process Hugging Face transformers engine with continuous batching.
+
+A background thread owns the model. Each iteration it (1) applies pending weight updates,
+(2) prefills newly arrived requests one by one (no padding, so a prompt's cache is the same
+as when run alone), (3) merges them into the running batch, whose KV caches are left-padded
+to a common length, and (4) runs one decode step for every running row. Requests join and
+leave between steps; asyncio callers only wait on futures, so the event loop stays free.
+
+Sampling is done here, per row, from raw logits: temperature, top-k, then top-p over the
+renormalized top-k set, and a per-request ``torch.Generator`` when a seed is given. The
+returned logprob is ``log_softmax(logits / temperature)`` over the full vocabulary, taken
+before any filtering (temperature 1 for greedy), as ``Generation`` requires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from turnrl.engines.base import EngineError, FinishReason, Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+_SPARE_COLUMNS = 64  # free KV columns kept after a rebuild, so decode steps rarely reallocate
+_TOP_P_SHORTLIST = 1024  # top-p first looks for the nucleus among this many most likely tokens
+
+
+@dataclass(eq=False)
+class _Request:
+    """One generate() call as the worker sees it."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop_ids: frozenset[int]  # eos ids plus the request's stop_token_ids
+    max_new_tokens: int  # max_tokens, lowered to fit the context window
+    generator: torch.Generator  # the request's own when seeded, else the engine's
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Generation]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # weight version of the first and last token
+    cancelled: bool = False  # set by the caller's task when it stops waiting
+
+    def add_token(self, token: int, logprob: float, version: int) -> FinishReason | None:
+        """Record a sampled token; the finish reason when it ends the generation."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions = [self.versions[0] if self.versions else version, version]
+        if token in self.stop_ids:
+            return "stop"
+        return "length" if len(self.token_ids) >= self.max_new_tokens else None
+
+    def finish(self, reason: FinishReason) -> None:
+        """Hand the generation to the waiting caller."""
+        info = {"prompt_tokens": len(self.prompt_ids), "weight_versions": list(self.versions)}
+        result = Generation(list(self.token_ids), list(self.logprobs), reason, info)
+        _resolve(self.loop, self.future, result)
+
+
+@dataclass(eq=False)
+class _WeightUpdate:
+    """A state dict waiting to be loaded between two steps."""
+
+    state_dict: Mapping[str, torch.Tensor]
+    strict: bool
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[int]
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: Any) -> None:
+    """Set a result (or an exception) on a future owned by another thread's loop."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+        loop.call_soon_threadsafe(settle)
+
+
+class _GrowingLayer(DynamicLayer):
+    """A full-attention cache layer that appends into spare room instead of concatenating."""
+
+    def __init__(
+        self, rows: Sequence[tuple[torch.Tensor, torch.Tensor]], spare: int = _SPARE_COLUMNS
+    ) -> None:
+        """Stack per-row ``(keys, values)`` of shape ``[heads, len, dim]``, right-aligned (left-padded)."""
+        super().__init__()
+        length = max(k.shape[-2] for k, _ in rows)
+        k0 = rows[0][0]
+        shape = (len(rows), k0.shape[0], length + spare, k0.shape[-1])
+        self._keys_buf, self._values_buf = k0.new_zeros(shape), k0.new_zeros(shape)
+        for b, (k, v) in enumerate(rows):
+            self._keys_buf[b, :, length - k.shape[-2] : length] = k
+            self._values_buf[b, :, length - v.shape[-2] : length] = v
+        self.dtype, self.device, self.is_initialized = k0.dtype, k0.device, True
+        self._set_length(length)
+
+    def _set_length(self, length: int) -> None:
+        """Point keys/values at the first ``length`` columns of the buffers."""
+        self._length = length
+        self.keys = self._keys_buf[:, :, :length]
+        self.values = self._values_buf[:, :, :length]
+
+    def _grow(self, needed: int) -> None:
+        """Reallocate the buffers with at least ``needed`` columns."""
+        for name in ("_keys_buf", "_values_buf"):
+            old = getattr(self, name)
+            shape = (*old.shape[:2], max(needed, 2 * old.shape[2]), old.shape[3])
+            new = old.new_zeros(shape)
+            new[:, :, : self._length] = old[:, :, : self._length]
+            setattr(self, name, new)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new states and return every cached state."""
+        end = self._length + key_states.shape[-2]
+        if end > self._keys_buf.shape[2]:
+            self._grow(end)
+        self._keys_buf[:, :, self._length : end] = key_states
+        self._values_buf[:, :, self._length : end] = value_states
+        self._set_length(end)
+        assert self.keys is not None and self.values is not None
+        return self.keys, self.values
+
+
+class _Batch:
+    """The running rows: their requests, real lengths and one left-padded KV cache."""
+
+    def __init__(self) -> None:
+        self.requests: list[_Request] = []
+        self.lengths: list[int] = []  # real tokens in the cache, per row
+        self.cache: Cache | None = None
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def _rows(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row's unpadded keys and values for one layer."""
+        if self.cache is None:
+            return []
+        keys, values = _layer_kv(self.cache, layer)
+        width = keys.shape[-2]
+        return [(keys[b, :, width - n :], values[b, :, width - n :]) for b, n in enumerate(self.lengths)]
+
+    def rebuild(self, keep: list[bool], new: list[tuple[_Request, Cache]]) -> None:
+        """Drop rows where ``keep`` is False, append prefilled requests, and re-pad the cache."""
+        requests = [r for r, kept in zip(self.requests, keep, strict=True) if kept] + [r for r, _ in new]
+        if not requests:
+            self.requests, self.lengths, self.cache = [], [], None
+            return
+        num_layers = len(self.cache.layers) if self.cache is not None else len(new[0][1].layers)
+        layers: list[Any] = []
+        for layer in range(num_layers):
+            old = [row for row, kept in zip(self._rows(layer), keep, strict=True) if kept]
+            layers.append(_GrowingLayer(old + [_first_row(cache, layer) for _, cache in new]))
+        self.lengths = [n for n, kept in zip(self.lengths, keep, strict=True) if kept]
+        self.lengths += [len(r.prompt_ids) for r, _ in new]
+        self.requests, self.cache = requests, Cache(layers=layers)
+
+    def step_inputs(self, device: torch.device) -> dict[str, torch.Tensor | None]:
+        """Model inputs for one decode step: each row's last token at its own position."""
+        width = max(self.lengths)
+        mask = None
+        if min(self.lengths) < width:
+            cols = torch.arange(width + 1, device=device)
+            starts = torch.tensor([width - n for n in self.lengths], device=device)
+            mask = (cols[None, :] >= starts[:, None]).long()
+        return {
+            "input_ids": torch.tensor([[r.token_ids[-1]] for r in self.requests], device=device),
+            "position_ids": torch.tensor([[n] for n in self.lengths], device=device),
+            "attention_mask": mask,
+        }
+
+
+def _layer_kv(cache: Cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's cached keys and values, ``[batch, heads, len, dim]``."""
+    cache_layer = cache.layers[layer]
+    assert isinstance(cache_layer, DynamicLayer)
+    assert cache_layer.keys is not None and cache_layer.values is not None
+    return cache_layer.keys, cache_layer.values
+
+
+def _first_row(cache: Cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of a single-row cache, without the batch axis."""
+    keys, values = _layer_kv(cache, layer)
+    return keys[0], values[0]
+
+
+def _draw(logprobs_K: torch.Tensor, generator: torch.Generator) -> int:
+    """Index of a sample from unnormalized log-probabilities (inverse CDF, float64)."""
+    cdf = torch.cumsum(torch.exp(logprobs_K.double() - logprobs_K.max()), 0)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * cdf[-1:]
+    return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
+
+
+def _nucleus(values_K: torch.Tensor, top_p: float) -> int:
+    """How many of the sorted (descending) log-probabilities form the top-p nucleus."""
+    probs = torch.softmax(values_K.double(), 0)
+    before = torch.cumsum(probs, 0) - probs  # mass of the tokens ranked above each token
+    return max(1, int((before < top_p).sum()))
+
+
+def _candidates(logprobs_V: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens top-k then top-p keep, sorted by probability: (log-probabilities, ids)."""
+    vocab = logprobs_V.numel()
+    k = min(top_k, vocab) if top_k > 0 else min(_TOP_P_SHORTLIST, vocab)
+    values, ids = torch.topk(logprobs_V, k)
+    if top_k <= 0 and k < vocab and float(values.exp().sum()) < top_p:
+        values, ids = torch.sort(logprobs_V, descending=True)  # the nucleus is wider than the shortlist
+    n = _nucleus(values, top_p) if top_p < 1.0 else k
+    return values[:n], ids[:n]
+
+
+def sample_token(
+    logits_V: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[int, float]:
+    """Sample one token from raw logits; return it with its full-vocabulary logprob at the temperature."""
+    logits_V = logits_V.float()
+    if sampling.temperature <= 0:
+        logprobs_V = torch.log_softmax(logits_V, -1)
+        token = int(torch.argmax(logits_V))
+        return token, float(logprobs_V[token])
+    logprobs_V = torch.log_softmax(logits_V / sampling.temperature, -1)
+    if sampling.top_k <= 0 and sampling.top_p >= 1.0:
+        token = _draw(logprobs_V, generator)
+    else:
+        values, ids = _candidates(logprobs_V, sampling.top_k, sampling.top_p)
+        token = int(ids[_draw(values, generator)])
+    return token, float(logprobs_V[token])
+
+
+def _ids(value: Any) -> set[int]:
+    """Token ids from an int, a list of ints or None."""
+    if value is None:
+        return set()
+    return {int(value)} if isinstance(value, int) else {int(v) for v in value}
+
+
+def _default_eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """The eos ids of the model's generation config and config, plus the tokenizer's."""
+    ids = _ids(getattr(model.generation_config, "eos_token_id", None)) | _ids(model.config.eos_token_id)
+    return frozenset(ids | _ids(getattr(tokenizer, "eos_token_id", None)))
+
+
+def _check_full_attention(model: PreTrainedModel) -> None:
+    """Refuse models whose cache is not plain full attention (sliding windows, linear attention)."""
+    layers = DynamicCache(config=model.config).layers
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        raise EngineError(f"HFEngine supports full-attention models only, not {type(model).__name__}")
+
+
+class HFEngine:
+    """Runs a transformers causal LM in this process, batching concurrent requests continuously."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
+        max_batch_size: int = 32,
+        max_prefill_tokens: int = 8192,
+        seed: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        """Serve ``model``; the tokenizer is optional, kept for callers, and its eos id stops generations.
+
+        ``eos_token_ids`` replaces the default stop ids (the model's generation config and
+        config eos ids, plus the tokenizer's). ``max_prefill_tokens`` bounds the prompt tokens
+        prefilled between two decode steps; ``num_threads`` sets torch's intra-op threads
+        (process-wide) when the worker starts; ``seed`` seeds requests that bring none.
+        """
+        _check_full_attention(model)
+        self._model = model.eval()
+        self._tokenizer = tokenizer
+        self._eos_ids = (
+            frozenset(_ids(eos_token_ids))
+            if eos_token_ids is not None
+            else _default_eos_ids(model, tokenizer)
+        )
+        self._max_batch_size = max_batch_size
+        self._max_prefill_tokens = max_prefill_tokens
+        self._num_threads = num_threads
+        self._context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self._vocab = int(model.get_output_embeddings().weight.shape[0])
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        self._version = 0
+        self._cond = threading.Condition()
+        self._pending: deque[_Request] = deque()
+        self._updates: deque[_WeightUpdate] = deque()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_spec(
+        cls, spec: str, *, dtype: torch.dtype | str | None = None, device: str = "cpu", **kwargs: Any
+    ) -> HFEngine:
+        """Load a model and its tokenizer by spec (see ``turnrl.models.resolve_model``) and serve them."""
+        from turnrl.models import load_model, load_tokenizer, resolve_model
+
+        model_spec = resolve_model(spec)
+        model = load_model(model_spec, dtype=dtype, device=device)
+        return cls(model, load_tokenizer(model_spec), **kwargs)
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The served model; change its weights through ``update_weights`` only."""
+        return self._model
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The tokenizer given at construction (``from_spec`` loads the model's)."""
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end every generation."""
+        return self._eos_ids
+
+    @property
+    def weight_version(self) -> int:
+        """How many weight updates have been applied."""
+        return self._version
+
+    async def __aenter__(self) -> HFEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Sequence[Any] = ()
+    ) -> Generation:
+        """Sample a continuation of ``prompt_ids``; concurrent calls share decode steps."""
+        request = self._make_request(list(prompt_ids), sampling, images)
+        if request.max_new_tokens <= 0:
+            return Generation([], [], "length", {"prompt_tokens": len(request.prompt_ids)})
+        self._submit(self._pending, request)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            request.cancelled = True
+            raise
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> int:
+        """Load new weights between two decode steps; return the new weight version.
+
+        Running requests keep their KV cache and go on with the new weights; each
+        Generation's ``info["weight_versions"]`` gives the versions of its first and last token.
+        """
+        loop = asyncio.get_running_loop()
+        update = _WeightUpdate(state_dict, strict, loop, loop.create_future())
+        self._submit(self._updates, update)
+        return await update.future
+
+    async def close(self) -> None:
+        """Stop the worker; running and queued requests end with finish_reason "abort"."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+
+    def _make_request(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Any]
+    ) -> _Request:
+        """Validate a call and turn it into a request."""
+        if images:
+            raise EngineError("HFEngine is text-only: images are not supported")
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab:
+            raise EngineError(f"prompt has token ids outside the vocabulary [0, {self._vocab})")
+        if self._context and len(prompt_ids) >= self._context:
+            raise EngineError(f"prompt of {len(prompt_ids)} tokens fills the {self._context}-token context")
+        room = self._context - len(prompt_ids) if self._context else sampling.max_tokens
+        generator = self._generator
+        if sampling.seed is not None:
+            generator = torch.Generator().manual_seed(sampling.seed)
+        loop = asyncio.get_running_loop()
+        stop_ids = self._eos_ids | frozenset(sampling.stop_token_ids)
+        max_new = min(sampling.max_tokens, room)
+        return _Request(prompt_ids, sampling, stop_ids, max_new, generator, loop, loop.create_future())
+
+    def _submit(self, queue: deque[Any], item: _Request | _WeightUpdate) -> None:
+        """Queue work for the worker, starting it on first use."""
+        with self._cond:
+            if self._closing:
+                raise EngineError("engine is closed")
+            queue.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="turnrl-hf-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    # ---- worker thread ----
+
+    def _run(self) -> None:
+        """The worker loop: weight updates, admissions, one decode step, repeat."""
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        batch = _Batch()
+        while True:
+            work = self._take_work(len(batch))
+            if work is None:
+                break
+            new, updates = work
+            for update in updates:
+                self._apply_update(update)
+            try:
+                with torch.inference_mode():
+                    self._step(batch, new)
+            except Exception as err:  # a failed step fails its requests, not the engine
+                for request in [*batch.requests, *new]:
+                    _resolve(request.loop, request.future, EngineError(f"generation failed: {err!r}"))
+                batch = _Batch()
+        self._abort(batch)
+
+    def _take_work(self, running: int) -> tuple[list[_Request], list[_WeightUpdate]] | None:
+        """Wait for something to do; take queued requests that fit. None when closing."""
+        with self._cond:
+            while not (self._closing or self._pending or self._updates or running):
+                self._cond.wait()
+            if self._closing:
+                return None
+            new: list[_Request] = []
+            budget = self._max_prefill_tokens
+            while self._pending and running + len(new) < self._max_batch_size:
+                if new and len(self._pending[0].prompt_ids) > budget:
+                    break
+                budget -= len(self._pending[0].prompt_ids)
+                new.append(self._pending.popleft())
+            updates = list(self._updates)
+            self._updates.clear()
+            return new, updates
+
+    def _apply_update(self, update: _WeightUpdate) -> None:
+        """Load a state dict into the model (between steps, so no forward pass sees half of it)."""
+        try:
+            with torch.no_grad():
+                self._model.load_state_dict(dict(update.state_dict), strict=update.strict)
+            self._version += 1
+            _resolve(update.loop, update.future, self._version)
+        except Exception as err:
+            _resolve(update.loop, update.future, err)
+
+    def _step(self, batch: _Batch, new: list[_Request]) -> None:
+        """Prefill the new requests, merge them in, then decode one token for every row."""
+        prefilled = [(r, cache) for r in new if not r.cancelled and (cache := self._prefill(r)) is not None]
+        keep = [not r.cancelled for r in batch.requests]
+        if prefilled or not all(keep):
+            batch.rebuild(keep, prefilled)
+        if len(batch):
+            self._decode(batch)
+
+    def _prefill(self, request: _Request) -> Cache | None:
+        """Run the prompt alone, sample its first token; its cache, or None when it already finished."""
+        cache = DynamicCache(config=self._model.config)
+        ids = torch.tensor([request.prompt_ids], device=self._model.device)
+        out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        reason = self._sample(request, out.logits[0, -1])
+        if reason is not None:
+            request.finish(reason)
+            return None
+        return cache
+
+    def _decode(self, batch: _Batch) -> None:
+        """One forward step for every row; finished rows leave the batch."""
+        inputs = batch.step_inputs(self._model.device)
+        out = self._model(**inputs, past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
+        batch.lengths = [n + 1 for n in batch.lengths]
+        keep = []
+        for row, request in enumerate(batch.requests):
+            reason = self._sample(request, out.logits[row, -1])
+            if reason is not None:
+                request.finish(reason)
+            keep.append(reason is None and not request.cancelled)
+        if not all(keep):
+            batch.rebuild(keep, [])
+
+    def _sample(self, request: _Request, logits_V: torch.Tensor) -> FinishReason | None:
+        """Sample the request's next token; the finish reason if it ends the generation."""
+        token, logprob = sample_token(logits_V, request.sampling, request.generator)
+        return request.add_token(token, logprob, self._version)
+
+    def _abort(self, batch: _Batch) -> None:
+        """End every running and queued request with what it has so far."""
+        with self._cond:
+            queued = list(self._pending)
+            self._pending.clear()
+            updates = list(self._updates)
+            self._updates.clear()
+        for request in [*batch.requests, *queued]:
+            request.finish("abort")
+        for update in updates:
+            _resolve(update.loop, update.future, EngineError("engine closed before the weight update"))

