@@ -14,12 +14,13 @@ USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, Impor
 
 def _rollout(args: argparse.Namespace, console: Console) -> int:
     from turnrl.config import load_config
-    from turnrl.rollout.runner import TRAJECTORIES, run
+    from turnrl.rollout.report import print_summary
+    from turnrl.rollout.runner import SUMMARY, TRAJECTORIES, run
 
     config = load_config(args.config, args.set)
-    summary = run(config, overwrite=args.overwrite, console=console)
-    console.print(json.dumps(summary, indent=2))
-    console.print(f"wrote {Path(config.output_dir) / TRAJECTORIES}")
+    summary = run(config, overwrite=args.overwrite, resume=args.resume, console=console)
+    print_summary(summary, console)
+    console.print(f"wrote {Path(config.output_dir) / TRAJECTORIES} and {SUMMARY}")
     return 0
 
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("config", help="YAML run config")
     roll.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     roll.add_argument("--overwrite", action="store_true", help="replace an existing trajectories.jsonl")
+    roll.add_argument("--resume", action="store_true", help="skip (prompt, sample) pairs already on disk")
     roll.set_defaults(func=_rollout)
     chk = sub.add_parser("check-template", help="is this model's chat template safe for delta encoding?")
     chk.add_argument("model", help="HF id, local folder, or a shipped name (tiny-qwen3, smollm2-135m)")

@@ -85,6 +85,7 @@ class RolloutConfig(_Strict):
     n: int = Field(1, ge=1)  # trajectories per prompt (a GRPO group)
     concurrency: int = Field(32, ge=1)  # trajectories in flight
     seed: int = 0
+    log_turns: bool = False  # also write every turn to turns.jsonl as it happens
 
 
 class RunConfig(_Strict):

@@ -13,17 +13,25 @@ class EchoEnv(Env):
     """Answers every turn with a user message; done after ``done_after`` turns (0: never)."""
 
     def __init__(
-        self, sample: Sample, done_after: int = 0, reply: str = "Go on.", reward: float = 1.0
+        self,
+        sample: Sample,
+        done_after: int = 0,
+        reply: str = "Go on.",
+        reward: float = 1.0,
+        delay_s: float = 0.0,
     ) -> None:
         super().__init__(sample)
         self.done_after = done_after
         self.reply = reply
         self.reward = reward
+        self.delay_s = delay_s
         self.steps = 0
         self.closed = False
 
     async def step(self, action: str) -> StepResult:
-        """Count the turn; answer with the same reply."""
+        """Count the turn (after ``delay_s``); answer with the same reply."""
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         self.steps += 1
         done = bool(self.done_after) and self.steps >= self.done_after
         return StepResult(f"{self.reply} (turn {self.steps})", self.reward if done else 0.0, done)

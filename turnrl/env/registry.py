@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,16 @@ class EnvEntry:
     dataset: Callable[..., Rows] | None = None  # default data rows, called with data.kwargs
 
     def bind(self, kwargs: dict[str, Any]) -> EnvFactory:
-        """A one-argument factory with the config's kwargs applied."""
+        """A one-argument factory with the config's kwargs applied (checked against its signature)."""
         factory = self.factory
+        try:
+            inspect.signature(factory).bind(None, **kwargs)
+        except TypeError as exc:
+            raise ValueError(
+                f"env kwargs do not fit {getattr(factory, '__name__', factory)}: {exc}"
+            ) from None
+        except ValueError:  # no signature to check (a builtin or C callable)
+            pass
 
         def build(sample: Sample) -> Env:
             return factory(sample, **kwargs)

@@ -1,7 +1,8 @@
 """The turn loop and the collector."""
 
-from turnrl.rollout.collector import collect, iter_trajectories, read_trajectories, summarize
+from turnrl.rollout.collector import collect, iter_trajectories, read_trajectories
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+from turnrl.rollout.metrics import summarize
 
 __all__ = [
     "Limits",

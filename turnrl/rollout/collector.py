@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -14,21 +15,28 @@ from turnrl.types import Sample, Trajectory
 OnDone = Callable[[Trajectory], None]
 
 
+Done = set[tuple[str, int]]
+"""(group id, sample index) pairs already finished."""
+
+
 async def iter_trajectories(
-    samples: Sequence[Sample], spec: RolloutSpec, n: int = 1, concurrency: int = 32
+    samples: Sequence[Sample], spec: RolloutSpec, n: int = 1, concurrency: int = 32, skip: Done | None = None
 ) -> AsyncIterator[Trajectory]:
     """Run ``n`` trajectories per sample as independent tasks; yield each as soon as it finishes.
 
     Each trajectory is its own asyncio task (request level, not batch level): a slow one
-    never holds back the others, and the engine batches whatever is in flight.
+    never holds back the others, and the engine batches whatever is in flight. Pairs in
+    ``skip`` (already on disk) are not run again.
     """
     gate = asyncio.Semaphore(concurrency)
+    skip = skip or set()
 
     async def one(sample: Sample, index: int) -> Trajectory:
         async with gate:
             return await run_trajectory(sample, spec, index)
 
-    tasks = [asyncio.create_task(one(s, k)) for s in samples for k in range(n)]
+    pairs = [(s, k) for s in samples for k in range(n) if (s.id, k) not in skip]
+    tasks = [asyncio.create_task(one(s, k)) for s, k in pairs]
     try:
         for next_done in asyncio.as_completed(tasks):
             yield await next_done
@@ -39,19 +47,26 @@ async def iter_trajectories(
 
 
 class JsonlWriter:
-    """Appends one trajectory per line and flushes, so a crash loses nothing already finished."""
+    """Appends one record per line, flushed and fsynced, so a crash loses nothing already finished."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fsync: bool = True) -> None:
         self.path = path
+        self.fsync = fsync
         self._file: IO[str] | None = None
 
     def write(self, traj: Trajectory) -> None:
-        """Append and flush one trajectory."""
+        """Append one trajectory, on disk when this returns."""
+        self.write_record(traj.to_dict())
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        """Append one JSON record as a single write."""
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(traj.to_dict(), ensure_ascii=False) + "\n")
+        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
         self._file.flush()
+        if self.fsync:
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         """Close the file."""
@@ -67,12 +82,13 @@ async def collect(
     concurrency: int = 32,
     out_path: Path | None = None,
     on_done: OnDone | None = None,
+    skip: Done | None = None,
 ) -> list[Trajectory]:
     """Run everything; write each trajectory to ``out_path`` (JSONL) the moment it finishes."""
     writer = JsonlWriter(out_path) if out_path else None
     done: list[Trajectory] = []
     try:
-        async for traj in iter_trajectories(samples, spec, n, concurrency):
+        async for traj in iter_trajectories(samples, spec, n, concurrency, skip):
             if writer:
                 writer.write(traj)
             done.append(traj)
@@ -90,23 +106,35 @@ def read_trajectories(path: Path) -> list[Trajectory]:
         return [Trajectory.from_dict(json.loads(line)) for line in f if line.strip()]
 
 
-def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
-    """Run-level metrics: rewards, turns, stop reasons, tokens, sanity-check mismatches."""
-    if not trajs:
-        return {"trajectories": 0}
-    stops: dict[str, int] = {}
-    for t in trajs:
-        stops[t.stop_reason.value] = stops.get(t.stop_reason.value, 0) + 1
-    count = len(trajs)
-    return {
-        "trajectories": count,
-        "reward/mean": sum(t.reward for t in trajs) / count,
-        "turns/mean": sum(t.num_turns for t in trajs) / count,
-        "turns/max": max(t.num_turns for t in trajs),
-        "stop_reasons": dict(sorted(stops.items())),
-        "truncated/ratio": sum(t.truncated for t in trajs) / count,
-        "tokens/model_mean": sum(sum(t.loss_mask) for t in trajs) / count,
-        "tokens/response_mean": sum(len(t.response_ids) for t in trajs) / count,
-        "check/mismatched_trajectories": sum(1 for t in trajs if t.metrics.get("check/ok") is False),
-        "env_retries": sum(int(t.metrics.get("env_retries", 0)) for t in trajs),
-    }
+def recover(path: Path) -> tuple[list[Trajectory], int]:
+    """Trajectories already on disk, for a resume; returns them and the number of lines dropped.
+
+    A last line cut short by a crash is removed from the file (so appends stay valid JSONL);
+    a pair that somehow appears twice is kept once.
+    """
+    if not path.exists():
+        return [], 0
+    raw = path.read_bytes()
+    keep = raw[: raw.rfind(b"\n") + 1]  # everything up to the last complete line
+    dropped = 1 if len(keep) < len(raw) else 0
+    trajs: list[Trajectory] = []
+    seen: Done = set()
+    lines = keep.decode("utf-8").splitlines(keepends=True)
+    clean: list[str] = []
+    for line in lines:
+        try:
+            traj = Trajectory.from_dict(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            dropped += 1
+            continue
+        if (traj.group_id, traj.sample_index) in seen:
+            dropped += 1
+            continue
+        seen.add((traj.group_id, traj.sample_index))
+        trajs.append(traj)
+        clean.append(line)
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(clean), encoding="utf-8")
+        os.replace(tmp, path)
+    return trajs, dropped

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from turnrl.engines.base import Engine, Generation, SamplingParams
 from turnrl.env.base import Env, EnvFactory, StepResult
 from turnrl.rewards import RewardContext, RewardFn, compute_reward
 from turnrl.rollout.record import ResponseRecord
-from turnrl.types import Message, Sample, StopReason, Trajectory
+from turnrl.types import Message, Sample, StopReason, Trajectory, Turn
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class RolloutSpec:
     limits: Limits  # stop conditions
     check: CheckMode = "strict"  # sanity check of the final sequence
     reward_fn: RewardFn | None = None  # overrides routing by data_source
+    on_turn: TurnHook | None = None  # called after every turn is appended (per-turn logging)
+
+
+TurnHook = Callable[[Sample, int, int, Turn], None]
+"""Called with (sample, sample_index, turn_index, turn) as each turn completes."""
 
 
 class EnvFailure(Exception):
@@ -51,16 +57,21 @@ class EnvFailure(Exception):
         self.attempts = attempts
 
 
-async def _call_env(coro_fn: Any, limits: Limits) -> tuple[Any, int]:
-    """Call an env coroutine with a timeout, retrying failures; return (result, retries)."""
+async def _call_env(coro_fn: Any, limits: Limits, failures: dict[str, int]) -> tuple[Any, int]:
+    """Call an env coroutine with a timeout, retrying failures; return (result, retries).
+
+    Every failure is counted in ``failures`` by kind (``timeout`` or the exception's type).
+    """
     errors: list[str] = []
     for attempt in range(limits.max_env_retries_per_turn + 1):
         try:
             return await asyncio.wait_for(coro_fn(), limits.env_timeout_s), attempt
         except TimeoutError:
-            errors.append(f"timed out after {limits.env_timeout_s}s")
+            kind, message = "timeout", f"timed out after {limits.env_timeout_s}s"
         except Exception as exc:
-            errors.append(f"{type(exc).__name__}: {exc}")
+            kind, message = type(exc).__name__, f"{type(exc).__name__}: {exc}"
+        failures[kind] = failures.get(kind, 0) + 1
+        errors.append(message)
     raise EnvFailure(f"env failed {len(errors)} times; last: {errors[-1]}", len(errors))
 
 
@@ -93,8 +104,18 @@ def _assistant_message(text: str, result: StepResult | None) -> Message:
 async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 0) -> Trajectory:
     """Run one episode of ``sample`` and return its exact token record. Never raises for env
     or engine failures: they end the trajectory with a stop reason."""
-    env = spec.env_factory(sample)
-    metrics: dict[str, Any] = {"env_retries": 0, "time/generate": 0.0, "time/env": 0.0, "time/encode": 0.0}
+    try:
+        env = spec.env_factory(sample)
+    except Exception as exc:  # a trajectory that cannot start still comes back, with its reason
+        return _failed_start(sample, sample_index, f"env: {type(exc).__name__}: {exc}")
+    failures: dict[str, int] = {}
+    metrics: dict[str, Any] = {
+        "env_retries": 0,
+        "env_failures": failures,
+        "time/generate": 0.0,
+        "time/env": 0.0,
+        "time/encode": 0.0,
+    }
     record = ResponseRecord()
     turn_rewards: list[float] = []
     error: str | None = None
@@ -102,7 +123,7 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
     try:
         # 1. Reset the env: it gives the prompt messages (and the tools, via env.tools).
         try:
-            prompt, retries = await _call_env(env.reset, spec.limits)
+            prompt, retries = await _call_env(env.reset, spec.limits, failures)
             metrics["env_retries"] += retries
         except EnvFailure as exc:
             prompt, error, stop = list(sample.prompt), f"reset: {exc}", StopReason.ENV_ERROR
@@ -143,7 +164,7 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
             # 4. Let the env act on the model's text (tools run here), retrying failures.
             t0 = time.perf_counter()
             try:
-                result, retries = await _call_env(lambda t=text: env.step(t), spec.limits)
+                result, retries = await _call_env(lambda t=text: env.step(t), spec.limits, failures)
             except EnvFailure as exc:
                 record.messages.append(_assistant_message(text, None))
                 metrics["env_retries"] += exc.attempts - 1
@@ -157,6 +178,7 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
             turn_rewards.append(float(result.reward))
             _merge_info(info, result.info)
             record.messages.append(_assistant_message(text, result))
+            _notify(spec, sample, sample_index, record)
             # 5. Stop when the env is done or the model has used its turns.
             if result.done:
                 stop = result.stop_reason or StopReason.ENV_DONE
@@ -174,8 +196,10 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
                 stop = StopReason.TOKEN_BUDGET
                 break
             record.add_env(obs_ids, obs_messages, conv.template.decode(obs_ids), encode_s, retries)
+            _notify(spec, sample, sample_index, record)
             last_token_text = None
         # 7. Finalize: trajectory, reward (env still alive), sanity check, metrics.
+        _notify(spec, sample, sample_index, record)
         traj = Trajectory(
             id=f"{sample.id}/{sample_index}",
             group_id=sample.id,
@@ -199,6 +223,32 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
         return traj
     finally:
         await _close(env)
+
+
+def _failed_start(sample: Sample, index: int, error: str) -> Trajectory:
+    """The record of a trajectory whose env could not even be built."""
+    return Trajectory(
+        id=f"{sample.id}/{index}",
+        group_id=sample.id,
+        data_source=sample.data_source,
+        prompt_ids=[],
+        response_ids=[],
+        loss_mask=[],
+        rollout_logprobs=[],
+        turns=[],
+        messages=list(sample.prompt),
+        stop_reason=StopReason.ENV_ERROR,
+        sample_index=index,
+        error=error,
+    )
+
+
+def _notify(spec: RolloutSpec, sample: Sample, index: int, record: ResponseRecord) -> None:
+    """Report the turns completed since the last call (a model turn once its env step is done)."""
+    while record.reported < len(record.turns):
+        if spec.on_turn is not None:
+            spec.on_turn(sample, index, record.reported, record.turns[record.reported])
+        record.reported += 1
 
 
 def _merge_info(info: dict[str, Any], step_info: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ class ResponseRecord:
     turns: list[Turn] = field(default_factory=list)  # spans in order
     messages: list[Message] = field(default_factory=list)  # the conversation so far
     num_model_turns: int = 0  # model turns so far
+    reported: int = 0  # turns already passed to the per-turn hook
 
     def add_model(self, gen: Generation, text: str, seconds: float) -> Turn:
         """Append the engine's tokens exactly as sampled (mask 1)."""

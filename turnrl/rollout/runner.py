@@ -19,11 +19,14 @@ from turnrl.engines.base import Engine
 from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.imports import import_object
 from turnrl.rewards import register_reward
-from turnrl.rollout.collector import collect, summarize
-from turnrl.rollout.loop import RolloutSpec
-from turnrl.types import Sample, Trajectory
+from turnrl.rollout.collector import JsonlWriter, collect, recover
+from turnrl.rollout.loop import RolloutSpec, TurnHook
+from turnrl.rollout.metrics import summarize, turn_record
+from turnrl.types import Sample, Trajectory, Turn
 
 TRAJECTORIES = "trajectories.jsonl"
+TURNS = "turns.jsonl"
+SUMMARY = "summary.json"
 
 
 class RunError(ValueError):
@@ -38,6 +41,7 @@ class Prepared:
     samples: list[Sample]
     spec: RolloutSpec
     out_dir: Path
+    resume: bool = False
 
 
 def load_samples(data: DataConfig, entry: EnvEntry) -> list[Sample]:
@@ -65,15 +69,40 @@ def build_engine(config: RunConfig) -> tuple[Engine, Any]:
     return engine, engine.tokenizer
 
 
-def prepare(config: RunConfig, overwrite: bool = False) -> Prepared:
+RESUME_KEYS = ("model", "env", "data", "chat", "sampling", "limits", "rewards")
+
+
+def _check_resumable(config: RunConfig, out_dir: Path) -> None:
+    """A resume must run what the first run ran; name the first key that differs."""
+    saved_path = out_dir / "config.yaml"
+    if not saved_path.exists():
+        raise RunError(f"cannot resume: {saved_path} is missing")
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    current = config.model_dump()
+    for key in (*RESUME_KEYS, "rollout"):
+        a, b = saved.get(key), current.get(key)
+        if key == "rollout" and isinstance(a, dict) and isinstance(b, dict):
+            a, b = {k: a.get(k) for k in ("n", "seed")}, {k: b.get(k) for k in ("n", "seed")}
+        if a != b:
+            raise RunError(f"cannot resume: config key {key!r} differs from the run in {out_dir}")
+
+
+def prepare(config: RunConfig, overwrite: bool = False, resume: bool = False) -> Prepared:
     """Validate env, data, rewards and output folder, then load the model. Writes nothing."""
     entry = resolve_env(config.env.name)
     samples = load_samples(config.data, entry)
     for source, fn_spec in config.rewards.items():
         register_reward(source, import_object(fn_spec, f"reward for {source!r}"))
     out_dir = Path(config.output_dir)
-    if (out_dir / TRAJECTORIES).exists() and not overwrite:
-        raise RunError(f"{out_dir / TRAJECTORIES} already exists (pass --overwrite or set output_dir)")
+    exists = (out_dir / TRAJECTORIES).exists()
+    if resume and overwrite:
+        raise RunError("--resume and --overwrite exclude each other")
+    if resume and exists:
+        _check_resumable(config, out_dir)
+    elif exists and not overwrite:
+        raise RunError(
+            f"{out_dir / TRAJECTORIES} already exists (pass --resume, --overwrite or set output_dir)"
+        )
     engine, tokenizer = build_engine(config)
     spec = RolloutSpec(
         env_factory=entry.bind(config.env.kwargs),
@@ -83,7 +112,7 @@ def prepare(config: RunConfig, overwrite: bool = False) -> Prepared:
         limits=config.limits.limits(),
         check=config.chat.check,
     )
-    return Prepared(config, samples, spec, out_dir)
+    return Prepared(config, samples, spec, out_dir, resume)
 
 
 def _progress(console: Console) -> Progress:
@@ -97,45 +126,81 @@ def _progress(console: Console) -> Progress:
     )
 
 
+class _Tally:
+    """Running means for the progress bar."""
+
+    def __init__(self, trajs: list[Trajectory]) -> None:
+        self.count = len(trajs)
+        self.reward = sum(t.reward for t in trajs)
+        self.turns = sum(t.num_turns for t in trajs)
+
+    def add(self, traj: Trajectory) -> tuple[float, float]:
+        """Count one more trajectory; return the mean reward and mean turns."""
+        self.count += 1
+        self.reward += traj.reward
+        self.turns += traj.num_turns
+        return self.reward / self.count, self.turns / self.count
+
+
+def _turn_logger(prepared: Prepared) -> tuple[TurnHook | None, JsonlWriter | None]:
+    if not prepared.config.rollout.log_turns:
+        return None, None
+    writer = JsonlWriter(prepared.out_dir / TURNS, fsync=False)
+
+    def log(sample: Sample, index: int, turn_index: int, turn: Turn) -> None:
+        writer.write_record(turn_record(sample.id, index, turn_index, turn))
+
+    return log, writer
+
+
+def _start_output(prepared: Prepared) -> list[Trajectory]:
+    """Create the output folder; on resume, recover what is on disk, else start empty."""
+    out = prepared.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    if prepared.resume:
+        done, _ = recover(out / TRAJECTORIES)
+        return done
+    (out / TRAJECTORIES).unlink(missing_ok=True)
+    (out / TURNS).unlink(missing_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(prepared.config.model_dump(), sort_keys=False))
+    return []
+
+
 async def run_prepared(prepared: Prepared, console: Console | None = None) -> dict[str, Any]:
     """Collect every trajectory, writing each as it finishes; return the run summary."""
     console = console or Console(stderr=True)
     cfg = prepared.config
-    out = prepared.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    (out / TRAJECTORIES).unlink(missing_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    total = len(prepared.samples) * cfg.rollout.n
-    finished: list[Trajectory] = []
+    finished = _start_output(prepared)
+    skip = {(t.group_id, t.sample_index) for t in finished}
+    if prepared.resume:
+        console.print(f"resuming: {len(skip)} trajectories already on disk")
+    prepared.spec.on_turn, turn_writer = _turn_logger(prepared)
+    tally = _Tally(finished)
     with _progress(console) as bar:
-        task = bar.add_task("rollout", total=total, reward=0.0, turns=0.0)
+        total = len(prepared.samples) * cfg.rollout.n
+        task = bar.add_task("rollout", total=total, completed=len(skip), reward=0.0, turns=0.0)
 
         def on_done(traj: Trajectory) -> None:
             finished.append(traj)
-            n = len(finished)
-            bar.update(
-                task,
-                advance=1,
-                reward=sum(t.reward for t in finished) / n,
-                turns=sum(t.num_turns for t in finished) / n,
-            )
+            reward, turns = tally.add(traj)
+            bar.update(task, advance=1, reward=reward, turns=turns)
 
         try:
+            out = prepared.out_dir / TRAJECTORIES
             await collect(
-                prepared.samples,
-                prepared.spec,
-                cfg.rollout.n,
-                cfg.rollout.concurrency,
-                out / TRAJECTORIES,
-                on_done,
+                prepared.samples, prepared.spec, cfg.rollout.n, cfg.rollout.concurrency, out, on_done, skip
             )
         finally:
             await prepared.spec.engine.close()
+            if turn_writer:
+                turn_writer.close()
     summary = summarize(finished)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (prepared.out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def run(config: RunConfig, overwrite: bool = False, console: Console | None = None) -> dict[str, Any]:
+def run(
+    config: RunConfig, overwrite: bool = False, resume: bool = False, console: Console | None = None
+) -> dict[str, Any]:
     """Prepare and run."""
-    return asyncio.run(run_prepared(prepare(config, overwrite), console))
+    return asyncio.run(run_prepared(prepare(config, overwrite, resume), console))

@@ -1,0 +1,91 @@
+"""Run-level and turn-level metrics: what a run did, in numbers, for the console and summary.json."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from turnrl.types import Trajectory
+
+
+def _quantiles(values: Sequence[float]) -> dict[str, float]:
+    """Mean, p50, p90, p99 and max of ``values`` (empty: nothing)."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        "mean": statistics.fmean(ordered),
+        "p50": at(0.5),
+        "p90": at(0.9),
+        "p99": at(0.99),
+        "max": ordered[-1],
+    }
+
+
+def _add(counter: Counter[str], items: Iterable[tuple[str, int]]) -> None:
+    for key, value in items:
+        counter[key] += int(value)
+
+
+def _turn_timings(trajs: Sequence[Trajectory]) -> dict[str, dict[str, float]]:
+    """Per-turn seconds by phase (generate, env, encode) across all turns."""
+    phases: dict[str, list[float]] = {}
+    for traj in trajs:
+        for turn in traj.turns:
+            for phase, seconds in turn.timings.items():
+                phases.setdefault(phase, []).append(seconds)
+    return {phase: _quantiles(values) for phase, values in sorted(phases.items())}
+
+
+def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """Rewards, turns, stop reasons, env failures by kind, tool calls, tokens, timings, check results."""
+    if not trajs:
+        return {"trajectories": 0}
+    rewards = [t.reward for t in trajs]
+    failures: Counter[str] = Counter()
+    info: Counter[str] = Counter()
+    by_source: dict[str, list[float]] = {}
+    for t in trajs:
+        _add(failures, t.metrics.get("env_failures", {}).items())
+        _add(info, ((k, v) for k, v in t.info.items() if k in ("num_tool_calls", "num_tool_errors")))
+        by_source.setdefault(t.data_source, []).append(t.reward)
+    count = len(trajs)
+    return {
+        "trajectories": count,
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        "reward/by_data_source": {k: statistics.fmean(v) for k, v in sorted(by_source.items())},
+        "turns/mean": statistics.fmean(t.num_turns for t in trajs),
+        "turns/histogram": dict(sorted(Counter(t.num_turns for t in trajs).items())),
+        "stop_reasons": dict(sorted(Counter(t.stop_reason.value for t in trajs).items())),
+        "truncated/ratio": sum(t.truncated for t in trajs) / count,
+        "env_retries": sum(int(t.metrics.get("env_retries", 0)) for t in trajs),
+        "env_failures/by_kind": dict(sorted(failures.items())),
+        "tool_calls": info.get("num_tool_calls", 0),
+        "tool_errors": info.get("num_tool_errors", 0),
+        "tokens/model_mean": statistics.fmean(sum(t.loss_mask) for t in trajs),
+        "tokens/response_mean": statistics.fmean(len(t.response_ids) for t in trajs),
+        "check/mismatched_trajectories": sum(1 for t in trajs if t.metrics.get("check/ok") is False),
+        "time/turn_seconds": _turn_timings(trajs),
+    }
+
+
+def turn_record(group_id: str, sample_index: int, index: int, turn: Any) -> dict[str, Any]:
+    """One line of turns.jsonl: a turn as it happened (no token ids; those are in the trajectory)."""
+    return {
+        "trajectory": f"{group_id}/{sample_index}",
+        "turn": index,
+        "role": turn.role,
+        "tokens": turn.end - turn.start,
+        "finish_reason": turn.finish_reason,
+        "reward": turn.reward,
+        "env_retries": turn.env_retries,
+        "timings": turn.timings,
+        "text": turn.text,
+    }
