@@ -34,9 +34,12 @@ from turnrl.viewer import ViewerError, load_run_tokenizer, make_server, write_vi
 from turnrl.viewer.page import to_script_json, turn_messages
 
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
-PIXEL = (
-    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DAwMDAxMDAwMAAAAd"
-    "/APyj8z0JAAAAAElFTkSuQmCC"
+IMAGE = (
+    "data:image/svg+xml;base64,"
+    + base64.b64encode(
+        b'<svg xmlns="http://www.w3.org/2000/svg" width="120" height="72">'
+        b'<rect width="120" height="72" fill="#4a8"/><circle cx="60" cy="36" r="24" fill="#fc3"/></svg>'
+    ).decode()
 )
 CHROMIUM_FLAGS = [
     "--headless",
@@ -51,7 +54,6 @@ CHROMIUM_FLAGS = [
     "--hide-scrollbars",
     "--remote-debugging-pipe",
 ]
-SCREENSHOT_DIR = Path(os.environ.get("TURNRL_SCREENSHOT_DIR", "")) if os.environ.get("TURNRL_SCREENSHOT_DIR") else None
 
 
 # ---------------------------------------------------------------- a real run directory
@@ -89,17 +91,27 @@ async def build_run(tokenizer: Any, run: Path, model: str) -> Path:
     ]
     await rollout(tokenizer, out, [Sample("calc-0", calc, data_source="calc")], replies, tools)
     echo = lambda s: EchoEnv(s, done_after=2)  # noqa: E731
-    image = [{"type": "text", "text": "Describe </script><b>this</b>."}, {"type": "image", "image": PIXEL}]
-    story = [Sample("story-0", [{"role": "user", "content": image}], data_source="story")]
+    story = [Sample("story-0", [{"role": "user", "content": "Describe this."}], data_source="story")]
     await rollout(tokenizer, out, story, [varied(tokenizer, "A cat."), "The end."], echo)
     mismatch = [Sample("story-1", [{"role": "user", "content": "Hi"}], data_source="story")]
     await rollout(tokenizer, out, mismatch, ["\n\nHello", "bye"], echo)
     forever = [Sample("story-2", [{"role": "user", "content": "Go"}], data_source="story")]
     await rollout(tokenizer, out, forever, ["one", "two"], EchoEnv, max_turns=2)
     await rollout(tokenizer, out, [Sample("story-3", [{"role": "user", "content": "Hey"}])], ["x"], echo)
+    with_image(out, "story-0/0")
     (run / "summary.json").write_text(json.dumps({"trajectories": 5, "stop_reasons": {"env_done": 3}}))
     (run / "config.yaml").write_text(yaml.safe_dump({"model": model, "output_dir": str(run)}))
     return run
+
+
+def with_image(path: Path, traj_id: str) -> None:
+    """Give one trajectory a VLM-style prompt (text and image parts), as a VLM run will write it."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    image = [{"type": "text", "text": "Describe </script><b>this</b>."}, {"type": "image", "image": IMAGE}]
+    for traj in lines:
+        if traj["id"] == traj_id:
+            traj["messages"][0]["content"] = image
+    path.write_text("".join(json.dumps(t) + "\n" for t in lines))
 
 
 @pytest.fixture(scope="module")
@@ -145,13 +157,16 @@ def test_page_is_self_contained_and_escaped(run_dir: Path, qwen3_tokenizer: Any,
     calc = data["trajectories"][0]
     assert calc["prompt_messages"] == 2 and len(calc["turn_messages"]) == len(calc["turns"])
     assert data["tokens"][str(calc["response_ids"][0])] == qwen3_tokenizer.decode(calc["response_ids"][:1])
-    assert write_viewer(run_dir) == run_dir / "view.html" and embedded(run_dir / "view.html")["tokens"] is None
+    assert write_viewer(run_dir) == run_dir / "view.html"
+    assert embedded(run_dir / "view.html")["tokens"] is None
 
 
 def test_script_json_and_message_spans() -> None:
     text = to_script_json({"a": "</script><!-- & \u2028", "b": float("nan")})
-    assert "<" not in text and "&" not in text and json.loads(text) == {"a": "</script><!-- & \u2028", "b": None}
-    messages = [{"role": "user"}, {"role": "assistant"}, {"role": "tool"}, {"role": "tool"}, {"role": "assistant"}]
+    assert "<" not in text and "&" not in text
+    assert json.loads(text) == {"a": "</script><!-- & \u2028", "b": None}
+    roles = ["user", "assistant", "tool", "tool", "assistant"]
+    messages = [{"role": role} for role in roles]
     turns = [{"role": "assistant"}, {"role": "tool"}, {"role": "assistant"}]
     assert turn_messages(messages, turns) == [[1, 2], [2, 4], [4, 5]]
     assert turn_messages([{"role": "user"}], [{"role": "assistant"}]) == []
@@ -225,7 +240,7 @@ class Chromium:
         args = [*CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"]
         self.log = (profile.parent / "chromium.log").open("wb")
         self.proc = subprocess.Popen(
-            ["sh", "-c", wiring, exe, *args],
+            ["bash", "-c", wiring, exe, *args],
             pass_fds=(to_browser, from_browser),
             stdin=subprocess.DEVNULL,
             stdout=self.log,
@@ -236,9 +251,18 @@ class Chromium:
         self._buffer = b""
         self._id = 0
         self.session: str | None = None
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        try:
+            self._attach(width, height)
+        except BaseException:
+            self.close()
+            raise
+
+    def _attach(self, width: int, height: int) -> None:
+        """Open a page, talk to it from now on, and size its viewport."""
+        target = self.call("Target.createTarget", url="about:blank", timeout=30)["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+        size = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
+        self.call("Emulation.setDeviceMetricsOverride", **size)
 
     def call(self, method: str, timeout: float = 15.0, **params: Any) -> dict[str, Any]:
         """Send one command (to the page once attached) and wait for its answer."""
@@ -308,9 +332,18 @@ class Chromium:
 
     def choose(self, selector: str, value: str) -> None:
         """Pick an option of a <select>, as a user's choice would (a change event)."""
+        self.set_value(selector, value, "change")
+
+    def clear(self, selector: str) -> None:
+        """Empty a text field, as a user's delete would (an input event)."""
+        self.set_value(selector, "", "input")
+
+    def set_value(self, selector: str, value: str, event: str) -> None:
+        """Set a form field's value and fire ``event`` on it."""
         self.js(
-            f"(() => {{ const el = document.querySelector({json.dumps(selector)}); el.value = {json.dumps(value)};"
-            " el.dispatchEvent(new Event('change', {bubbles: true})); })()"
+            f"(() => {{ const el = document.querySelector({json.dumps(selector)});"
+            f" el.value = {json.dumps(value)};"
+            f" el.dispatchEvent(new Event('{event}', {{bubbles: true}})); }})()"
         )
 
     def count(self, selector: str) -> int:
@@ -329,8 +362,8 @@ class Chromium:
 
     def close(self) -> None:
         """Close the browser; kill it if it lingers."""
+        self.session = None
         with contextlib.suppress(Exception):
-            self.session = None
             self.call("Browser.close", timeout=5)
         try:
             self.proc.wait(timeout=5)
@@ -359,7 +392,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
 
 def shot_path(tmp_path: Path, name: str) -> Path:
     """Where a screenshot goes: $TURNRL_SCREENSHOT_DIR when set (to look at it), else the test's tmp."""
-    folder = SCREENSHOT_DIR or tmp_path
+    folder = Path(os.environ.get("TURNRL_SCREENSHOT_DIR") or tmp_path)
     folder.mkdir(parents=True, exist_ok=True)
     return folder / name
 
@@ -377,8 +410,8 @@ def assert_looks_drawn(png: Path, width: int, height: int) -> None:
         colors = image.convert("RGB").getcolors(maxcolors=1 << 20) or []
     assert len(colors) > 200
     assert max(count for count, _ in colors) < 0.9 * width * height  # no single color covers the page
-    hues = {rgb for _, rgb in colors if max(rgb) - min(rgb) > 60}  # saturated: heat map and badges
-    assert len(hues) > 20
+    saturated = [rgb for _, rgb in colors if isinstance(rgb, tuple) and max(rgb) - min(rgb) > 60]
+    assert len(saturated) > 20  # the heat map and the badges
 
 
 def test_viewer_in_chromium(run_dir: Path, qwen3_tokenizer: Any, browser: Chromium, tmp_path: Path) -> None:
@@ -396,10 +429,10 @@ def test_viewer_in_chromium(run_dir: Path, qwen3_tokenizer: Any, browser: Chromi
     browser.choose("#f-source", "")
     browser.type("#f-rmin", "0.5")
     assert browser.count(".traj-row") == sum(1 for t in trajs.values() if t["reward"] >= 0.5)
-    browser.js("document.querySelector('#f-rmin').value = ''; document.querySelector('#f-rmin').dispatchEvent(new Event('input'))")
+    browser.clear("#f-rmin")
     browser.type("#f-search", "391+4")
     assert browser.count(".traj-row") == 1
-    browser.js("document.querySelector('#f-search').value = ''; document.querySelector('#f-search').dispatchEvent(new Event('input'))")
+    browser.clear("#f-search")
     assert browser.count(".traj-row") == 5
     # clicking a trajectory shows its turns: tokens told apart by the loss mask, a heat map, tools
     calc = trajs["calc-0/0"]

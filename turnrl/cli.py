@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print("interrupted; finished trajectories are on disk")
         return 130
     except USER_ERRORS as exc:
+        if os.environ.get("TURNRL_DEBUG"):
+            raise
         print(f"turnrl: error: {exc}", file=sys.stderr)
         return 2
 

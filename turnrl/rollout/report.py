@@ -9,7 +9,9 @@ from rich.table import Table
 
 
 def _pairs(title: str, rows: dict[str, Any]) -> Table:
-    table = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 2))
+    table = Table(
+        title=title, title_justify="left", show_header=False, box=None, padding=(0, 2), min_width=40
+    )
     for key, value in rows.items():
         table.add_row(str(key), f"{value:.4g}" if isinstance(value, float) else str(value))
     return table

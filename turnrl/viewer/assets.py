@@ -89,6 +89,9 @@ main { flex: 1; display: flex; min-height: 0; }
   padding: 8px 12px; margin: 8px 0;
 }
 .error-box { border-color: #ffcecb; background: #fff5f4; color: var(--bad); font-family: var(--mono); }
+.fact { max-height: 190px; overflow-y: auto; }
+.check-title { margin-right: 8px; }
+header .badge { margin-left: 10px; }
 .cols { display: grid; grid-template-columns: repeat(auto-fit, minmax(260px, 1fr)); gap: 10px; }
 table.kv { border-collapse: collapse; width: 100%; font-size: 12px; }
 table.kv td { padding: 2px 6px; border-bottom: 1px solid #f0f2f4; vertical-align: top; }
@@ -111,7 +114,9 @@ pre {
 .msg.assistant { border-color: #4ac26b; }
 .msg.tool { border-color: #d4a72c; }
 .msg .text { white-space: pre-wrap; word-break: break-word; }
-.msg img, .turn img { max-width: 360px; max-height: 260px; border: 1px solid var(--line); border-radius: 4px; }
+.msg img, .turn img {
+  max-width: 360px; max-height: 260px; min-width: 32px; image-rendering: pixelated;
+  border: 1px solid var(--line); border-radius: 4px; }
 .turn { background: var(--panel); border: 1px solid var(--line); border-radius: 8px; margin: 10px 0; }
 .turn.env { background: #fafbfc; }
 .turn-head {
@@ -199,7 +204,8 @@ function checkFailed(t) {
 
 function contentText(content) {
   if (typeof content === "string") return content;
-  if (!Array.isArray(content)) return content === null || content === undefined ? "" : JSON.stringify(content);
+  if (content === null || content === undefined) return "";
+  if (!Array.isArray(content)) return JSON.stringify(content);
   return content.map((p) => (p && typeof p.text === "string" ? p.text : "")).join(" ");
 }
 
@@ -229,7 +235,9 @@ function renderHeader() {
   const run = DATA.run;
   top.append(h("h1", { text: run.name, title: run.path }));
   if (run.model) top.append(h("span", { class: "model", text: "model: " + run.model }));
-  if (DATA.config) top.append(h("details", {}, h("summary", { text: "config.yaml" }), h("pre", { text: DATA.config })));
+  if (DATA.config) {
+    top.append(h("details", {}, h("summary", { text: "config.yaml" }), h("pre", { text: DATA.config })));
+  }
   if (!TOKENS) top.append(h("span", { class: "badge warn", text: "no tokenizer: per-turn view" }));
   const chips = h("div", { class: "chips", id: "summary" });
   if (DATA.summary) {
@@ -260,6 +268,10 @@ function numberInput(id, placeholder) {
   return h("input", { id, type: "number", step: "any", placeholder, oninput: applyFilters });
 }
 
+function checkbox(id, label) {
+  return h("label", {}, h("input", { id, type: "checkbox", onchange: applyFilters }), label);
+}
+
 function renderFilters() {
   const f = document.getElementById("filters");
   const row = (label, ...kids) => h("label", { class: "pair" }, h("span", { text: label }), kids);
@@ -270,12 +282,10 @@ function renderFilters() {
     row("source", selectOf("f-source", "data_source")),
     row("reward", numberInput("f-rmin", "min"), numberInput("f-rmax", "max")),
     row("turns", numberInput("f-tmin", "min"), numberInput("f-tmax", "max")),
-    h("label", { class: "checks" },
-      h("span", { text: "only" }),
-      h("label", {}, h("input", { id: "f-mismatch", type: "checkbox", onchange: applyFilters }), "check failed"),
-      h("label", {}, h("input", { id: "f-error", type: "checkbox", onchange: applyFilters }), "errors")),
+    h("label", { class: "checks" }, h("span", { text: "only" }),
+      checkbox("f-mismatch", "check failed"), checkbox("f-error", "errors")),
     row("sort", h("select", { id: "f-sort", onchange: applyFilters },
-      ["file order", "reward ↓", "reward ↑", "turns ↓", "tokens ↓"].map((s) => h("option", { text: s })))),
+      ["file order", ...Object.keys(SORTS)].map((s) => h("option", { text: s })))),
   );
 }
 
@@ -311,7 +321,8 @@ function applyFilters() {
     search: value("f-search").trim().toLowerCase(), stop: value("f-stop"), source: value("f-source"),
     rmin: numberOr("f-rmin", -Infinity), rmax: numberOr("f-rmax", Infinity),
     tmin: numberOr("f-tmin", -Infinity), tmax: numberOr("f-tmax", Infinity),
-    mismatch: document.getElementById("f-mismatch").checked, error: document.getElementById("f-error").checked,
+    mismatch: document.getElementById("f-mismatch").checked,
+    error: document.getElementById("f-error").checked,
   };
   STATE.shown = TRAJS.filter((t) => matches(t, f));
   const sort = SORTS[value("f-sort")];
@@ -359,8 +370,8 @@ function step(delta) {
 /* ---------- the selected trajectory ---------- */
 
 function kvTable(obj) {
-  const rows = Object.entries(obj || {}).map(([k, v]) => h("tr", {}, h("td", { text: k }), h("td", { text: fmt(v) })));
-  return h("table", { class: "kv" }, rows);
+  const row = ([k, v]) => h("tr", {}, h("td", { text: k }), h("td", { text: fmt(v) }));
+  return h("table", { class: "kv" }, Object.entries(obj || {}).map(row));
 }
 
 function renderSummary(t) {
@@ -379,19 +390,23 @@ function renderSummary(t) {
   ];
 }
 
+function factBox(title, obj) {
+  if (!Object.keys(obj || {}).length) return null;
+  const summary = h("summary", { text: title });
+  return h("div", { class: "box fact" }, h("details", { open: "" }, summary, kvTable(obj)));
+}
+
 function renderFacts(t) {
   const info = Object.fromEntries(Object.entries(t.info || {}).filter(([k]) => k !== "check"));
-  return h("div", { class: "cols" },
-    h("div", { class: "box" }, h("details", { open: "" }, h("summary", { text: "turn rewards" }),
-      kvTable(Object.fromEntries((t.turn_rewards || []).map((r, i) => ["turn " + (i + 1), r]))))),
-    h("div", { class: "box" }, h("details", { open: "" }, h("summary", { text: "metrics" }), kvTable(t.metrics))),
-    h("div", { class: "box" }, h("details", { open: "" }, h("summary", { text: "info" }), kvTable(info))));
+  const rewards = Object.fromEntries((t.turn_rewards || []).map((r, i) => ["turn " + (i + 1), r]));
+  return h("div", { class: "cols" }, factBox("turn rewards", rewards), factBox("metrics", t.metrics),
+    factBox("info", info));
 }
 
 function diffLines(text) {
   return text.split("\n").map((line) => {
-    const cls = line.startsWith("- ") ? "del" : line.startsWith("+ ") ? "add" : line.startsWith("@@") ? "at" : "";
-    return h("span", { class: cls, text: line + "\n" });
+    const kind = line.startsWith("- ") ? "del" : line.startsWith("+ ") ? "add" : "";
+    return h("span", { class: line.startsWith("@@") ? "at" : kind, text: line + "\n" });
   });
 }
 
@@ -403,7 +418,8 @@ function renderCheck(t) {
     h("td", { text: "token " + hk.start }), h("td", { text: hk.kind + (hk.expected ? " (expected)" : "") }),
     h("td", { text: JSON.stringify(hk.incremental) + " → " + JSON.stringify(hk.rerender) })));
   return h("div", { class: "box check " + (ok ? "ok" : "bad"), id: "check" },
-    h("b", { text: ok ? "sanity check passed" : "sanity check: " + fmt(check.mismatches) + " mismatch(es)" }),
+    h("b", { class: "check-title",
+      text: ok ? "sanity check passed" : "sanity check: " + fmt(check.mismatches) + " mismatch(es)" }),
     h("span", { class: "badge", text: "mode " + check.mode }),
     hunks.length ? h("table", { class: "kv hunks" }, hunks) : null,
     check.diff ? h("pre", { class: "diff" }, diffLines(check.diff)) : null);
@@ -432,22 +448,26 @@ function renderContent(content) {
 }
 
 function hasImage(m) {
-  return Array.isArray(m.content) && m.content.some((p) => p && (p.type === "image" || p.type === "image_url"));
+  const isImage = (p) => p && (p.type === "image" || p.type === "image_url");
+  return Array.isArray(m.content) && m.content.some(isImage);
 }
 
 function renderMessage(m) {
   const label = m.role + (m.name ? " · " + m.name : "");
-  return h("div", { class: "msg " + m.role }, h("div", { class: "role", text: label }), renderContent(m.content),
-    m.tool_calls ? h("pre", { text: JSON.stringify(m.tool_calls, null, 1) }) : null);
+  const calls = m.tool_calls ? h("pre", { text: JSON.stringify(m.tool_calls, null, 1) }) : null;
+  const role = h("div", { class: "role", text: label });
+  return h("div", { class: "msg " + m.role }, role, renderContent(m.content), calls);
 }
 
 function tokenSpan(id, mask, lp, cls) {
   const text = TOKENS[String(id)] ?? "";
-  const title = "id " + id + " · " + JSON.stringify(text) + (mask ? " · logprob " + fmt(lp) : " · env");
+  const origin = mask ? " · logprob " + fmt(lp) : cls === "tok-prompt" ? " · prompt" : " · env (mask 0)";
+  const title = "id " + id + " · " + JSON.stringify(text) + origin;
   const attrs = { class: "tok " + cls, title, "data-id": String(id) };
   if (mask) { attrs.style = "background:" + heat(lp); attrs["data-lp"] = String(lp); }
-  if (text.includes("\n")) return h("span", attrs, h("span", { class: "nl", text: text.replace(/\n/g, "↵") }), "\n");
-  return h("span", attrs, text);
+  const lines = text.split("\n");
+  const mark = () => h("span", { class: "nl", text: "↵" });
+  return h("span", attrs, lines.map((line, i) => (i ? [mark(), "\n", line] : line)));
 }
 
 function turnTokens(t, turn) {
@@ -468,7 +488,8 @@ function meanLogprob(t, turn) {
 function turnSegment(t, turn) {
   const mean = meanLogprob(t, turn);
   if (mean === null) {
-    return h("span", { class: "seg seg-env", title: (turn.end - turn.start) + " env tokens", text: turn.text });
+    const title = (turn.end - turn.start) + " env tokens";
+    return h("span", { class: "seg seg-env", title, text: turn.text });
   }
   return h("span", { class: "seg seg-model", style: "background:" + heat(mean), "data-lp": String(mean),
     title: "mean logprob " + fmt(mean) + " over " + (turn.end - turn.start) + " tokens", text: turn.text });
@@ -489,16 +510,19 @@ function renderCalls(t, index) {
     const fn = call.function || call;
     const args = typeof fn.arguments === "string" ? fn.arguments : JSON.stringify(fn.arguments);
     const result = results.find((m) => call.id && m.tool_call_id === call.id) || results[k];
-    return h("div", { class: "call" }, h("span", { class: "fn", text: fn.name }), h("span", { class: "args",
-      text: "(" + args + ")" }), result ? h("div", { class: "result tool-result", text: contentText(result.content) })
-      : h("div", { class: "result missing", text: "no result: the episode ended" }));
+    const shown = result
+      ? h("div", { class: "result tool-result", text: contentText(result.content) })
+      : h("div", { class: "result missing", text: "no result: the episode ended" });
+    return h("div", { class: "call" }, h("span", { class: "fn", text: fn.name }),
+      h("span", { class: "args", text: "(" + args + ")" }), shown);
   });
   return h("div", { class: "calls" }, calls);
 }
 
 function turnHead(t, turn, index, number) {
   const model = turn.role === "assistant";
-  const chips = [h("span", { class: "tname", text: model ? "turn " + number + " · model" : "env · " + turn.role }),
+  const name = model ? "turn " + number + " · model" : "env · " + turn.role;
+  const chips = [h("span", { class: "tname", text: name }),
     h("span", { class: "badge", text: (turn.end - turn.start) + " tokens" })];
   if (model) {
     chips.push(h("span", { class: "badge", style: "background:" + heat(meanLogprob(t, turn) ?? 0),
@@ -508,7 +532,9 @@ function turnHead(t, turn, index, number) {
       chips.push(h("span", { class: rewardClass(turn.reward), text: "reward " + fmt(turn.reward) }));
     }
   }
-  if (turn.env_retries) chips.push(h("span", { class: "badge warn", text: turn.env_retries + " env retries" }));
+  if (turn.env_retries) {
+    chips.push(h("span", { class: "badge warn", text: turn.env_retries + " env retries" }));
+  }
   for (const [k, v] of Object.entries(turn.timings || {})) {
     chips.push(h("span", { class: "badge", text: k + " " + (v * 1000).toFixed(1) + " ms" }));
   }
@@ -527,9 +553,11 @@ function renderTurn(t, turn, index, number) {
 
 function legend() {
   const stops = [0, 0.25, 0.5, 0.75, 1].map((x) => heat(x * LP_FLOOR) + " " + x * 100 + "%").join(", ");
-  return h("div", { class: "legend" }, "logprob", h("span", { text: "0" }),
+  const what = TOKENS ? "logprob" : "mean logprob of each model turn";
+  return h("div", { class: "legend" }, what, h("span", { text: "0" }),
     h("span", { class: "bar", style: "background: linear-gradient(to right, " + stops + ")" }),
-    h("span", { text: "≤ " + LP_FLOOR }), h("span", { class: "envkey", text: "env / template tokens (mask 0)" }));
+    h("span", { text: "≤ " + LP_FLOOR }),
+    h("span", { class: "envkey", text: "env / template tokens (mask 0)" }));
 }
 
 function renderPrompt(t) {
@@ -538,10 +566,11 @@ function renderPrompt(t) {
     h("div", { class: "box prompt" }, prompt.map(renderMessage))];
   if (TOKENS && t.prompt_ids && t.prompt_ids.length) {
     const toks = h("div", { class: "turn-body" });
-    const details = h("details", { class: "box" }, h("summary", { text: "prompt tokens (" + t.prompt_ids.length + ")" }),
-      toks);
-    details.addEventListener("toggle", () => {
-      if (details.open && !toks.childNodes.length) toks.append(...t.prompt_ids.map((id) => tokenSpan(id, 0, 0, "tok-prompt")));
+    const title = h("summary", { text: "prompt tokens (" + t.prompt_ids.length + ")" });
+    const details = h("details", { class: "box prompt-tokens" }, title, toks);
+    details.addEventListener("toggle", () => {  // drawn on first open: prompts can be long
+      if (!details.open || toks.childNodes.length) return;
+      toks.append(...t.prompt_ids.map((id) => tokenSpan(id, 0, 0, "tok-prompt")));
     });
     out.push(details);
   }
@@ -550,14 +579,17 @@ function renderPrompt(t) {
 
 function renderTurns(t) {
   let number = 0;
-  const turns = t.turns.map((turn, i) => renderTurn(t, turn, i, turn.role === "assistant" ? ++number : number));
+  const turns = t.turns.map((turn, i) => {
+    if (turn.role === "assistant") number += 1;
+    return renderTurn(t, turn, i, number);
+  });
   return [h("h3", { text: "Turns" }), legend(), h("div", { class: "turns" }, turns)];
 }
 
 function renderDetail(t) {
   const detail = document.getElementById("detail");
-  detail.replaceChildren(...renderSummary(t), renderFacts(t), renderCheck(t) || "", ...renderPrompt(t),
-    ...renderTurns(t));
+  const parts = [...renderSummary(t), renderCheck(t), renderFacts(t), ...renderPrompt(t), ...renderTurns(t)];
+  detail.replaceChildren(...parts.filter((part) => part !== null));
   detail.scrollTop = 0;
 }
 

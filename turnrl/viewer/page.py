@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import math
@@ -257,7 +258,5 @@ def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 0, tokenizer: Any 
     with make_server(run_dir, host, port, tokenizer) as server:
         bound_host, bound_port = server.server_address[:2]
         print(f"serving {run_dir} at http://{bound_host!s}:{bound_port}/ (Ctrl-C stops)", flush=True)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             server.serve_forever()
-        except KeyboardInterrupt:
-            pass
