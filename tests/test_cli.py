@@ -84,3 +84,15 @@ def test_check_template(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     assert "SAFE for delta encoding" in result.stdout and "role 'tool': fast path" in result.stdout
     result = turnrl("check-template", str(tmp_path / "nothing-here"), cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
+
+
+def test_view_writes_a_page_and_rejects_a_missing_run(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    config = write_config(tmp_path, str(tiny_qwen3_dir))
+    assert turnrl("rollout", str(config), cwd=tmp_path).returncode == 0
+    result = turnrl("view", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    page = (tmp_path / "run" / "view.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") or page.lstrip().lower().startswith("<!doctype html>")
+    assert "echo-0/0" in page  # the trajectories are embedded
+    missing = turnrl("view", str(tmp_path / "nope"), cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1

@@ -80,7 +80,7 @@ async def rollout(
 
 
 async def build_run(tokenizer: Any, run: Path, model: str) -> Path:
-    """Five trajectories: tool use with results, an image prompt, a check mismatch, max_turns."""
+    """Five trajectories: tool calls and results, an image prompt, a check mismatch, max_turns, an error."""
     out = run / "trajectories.jsonl"
     tools = lambda s: ToolEnv(s, [FunctionTool(calculator)])  # noqa: E731
     calc = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "17*23+4?"}]
@@ -188,6 +188,9 @@ def test_clear_errors(tmp_path: Path) -> None:
     assert "\n" not in str(err.value)
     path.write_text(json.dumps({"id": "a/0"}) + "\n")
     with pytest.raises(ViewerError, match=":1: not a trajectory"):
+        write_viewer(tmp_path)
+    path.write_text(json.dumps({**good, "loss_mask": []}) + "\n")
+    with pytest.raises(ViewerError, match=":1: loss_mask and response_ids differ"):
         write_viewer(tmp_path)
 
 
@@ -303,7 +306,8 @@ class Chromium:
         return result["result"].get("value")
 
     def open(self, url: str) -> None:
-        """Navigate and wait until the page has drawn itself."""
+        """Navigate and wait until the new page has drawn itself."""
+        self.js("document.body && delete document.body.dataset.ready")
         self.call("Page.navigate", url=url)
         self.wait_for("document.body && document.body.dataset.ready === '1'")
 
@@ -380,7 +384,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
     """One headless Chromium for the module; skipped when there is none, unless CI says it must be."""
     exe = chromium_path()
     if exe is None:
-        if os.environ.get("CI"):
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail("CI: no chromium found; run scripts/install_browser.sh first")
         pytest.skip("no chromium (bash scripts/install_browser.sh installs it)")
     chromium = Chromium(exe, tmp_path_factory.mktemp("browser") / "profile")

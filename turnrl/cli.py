@@ -39,6 +39,19 @@ def _check_template(args: argparse.Namespace, console: Console) -> int:
     return 0 if report.safe else 1
 
 
+def _view(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.viewer import load_run_tokenizer, serve, write_viewer
+
+    run_dir = Path(args.run_dir)
+    tokenizer = load_run_tokenizer(run_dir)
+    if args.serve:
+        serve(run_dir, port=args.port, tokenizer=tokenizer)
+        return 0
+    out = write_viewer(run_dir, Path(args.out) if args.out else None, tokenizer)
+    console.print(f"wrote {out} (open it in a browser; it needs no network)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser."""
     parser = argparse.ArgumentParser(prog="turnrl", description="Exact-token multi-turn RL rollouts.")
@@ -54,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--tools", help="tool config YAML to put in the system prompt")
     chk.add_argument("--template-kwargs", help="JSON, e.g. '{\"enable_thinking\": false}'")
     chk.set_defaults(func=_check_template)
+    view = sub.add_parser("view", help="write a static HTML viewer of a run's trajectories")
+    view.add_argument("run_dir", help="a folder with trajectories.jsonl (the output_dir of a rollout)")
+    view.add_argument("--out", help="where to write the page (default RUN_DIR/view.html)")
+    view.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 instead")
+    view.add_argument("--port", type=int, default=0, help="port for --serve (default: any free port)")
+    view.set_defaults(func=_view)
     return parser
 
 

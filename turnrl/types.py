@@ -75,6 +75,7 @@ class Trajectory:
     sample_index: int = 0  # index of this trajectory inside its group
     error: str | None = None  # the last error message, when stop_reason is an error
     info: dict[str, Any] = field(default_factory=dict)  # free-form data from env and tools
+    policy_versions: list[int] = field(default_factory=list)  # per response token: weight version (-1: env)
 
     @property
     def truncated(self) -> bool:

@@ -40,6 +40,7 @@ class Generation:
     logprobs: list[float]  # one per token in token_ids
     finish_reason: FinishReason  # stop: eos or stop token; length: max_tokens; abort: cut off
     info: dict[str, Any] | None = None  # engine-specific extras (server, timings...)
+    versions: list[int] | None = None  # per token: the weight version that sampled it, if known
 
 
 @runtime_checkable

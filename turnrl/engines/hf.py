@@ -47,22 +47,23 @@ class _Request:
     future: asyncio.Future[Generation]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # weight version of the first and last token
+    versions: list[int] = field(default_factory=list)  # weight version of each sampled token
     cancelled: bool = False  # set by the caller's task when it stops waiting
 
     def add_token(self, token: int, logprob: float, version: int) -> FinishReason | None:
         """Record a sampled token; the finish reason when it ends the generation."""
         self.token_ids.append(token)
         self.logprobs.append(logprob)
-        self.versions = [self.versions[0] if self.versions else version, version]
+        self.versions.append(version)
         if token in self.stop_ids:
             return "stop"
         return "length" if len(self.token_ids) >= self.max_new_tokens else None
 
     def finish(self, reason: FinishReason) -> None:
         """Hand the generation to the waiting caller."""
-        info = {"prompt_tokens": len(self.prompt_ids), "weight_versions": list(self.versions)}
-        result = Generation(list(self.token_ids), list(self.logprobs), reason, info)
+        span = [self.versions[0], self.versions[-1]] if self.versions else []
+        info = {"prompt_tokens": len(self.prompt_ids), "weight_versions": span}
+        result = Generation(list(self.token_ids), list(self.logprobs), reason, info, list(self.versions))
         _resolve(self.loop, self.future, result)
 
 
@@ -308,6 +309,7 @@ class HFEngine:
         self._pending: deque[_Request] = deque()
         self._updates: deque[_WeightUpdate] = deque()
         self._closing = False
+        self._aborting = False
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -372,6 +374,21 @@ class HFEngine:
         self._submit(self._updates, update)
         return await update.future
 
+    async def abort_all(self) -> None:
+        """End every running and queued request now with finish_reason "abort", keeping the tokens
+        sampled so far; the engine stays up (partial rollout: abort, update weights, resume)."""
+        with self._cond:
+            if self._thread is None:
+                return
+            self._aborting = True
+            self._cond.notify_all()
+        await asyncio.to_thread(self._wait_for_abort)
+
+    def _wait_for_abort(self) -> None:
+        with self._cond:
+            while self._aborting and self._thread is not None and self._thread.is_alive():
+                self._cond.wait(0.05)
+
     async def close(self) -> None:
         """Stop the worker; running and queued requests end with finish_reason "abort"."""
         with self._cond:
@@ -421,6 +438,9 @@ class HFEngine:
             torch.set_num_threads(self._num_threads)
         batch = _Batch()
         while True:
+            if self._aborting:
+                self._abort(batch)
+                batch = _Batch()
             work = self._take_work(len(batch))
             if work is None:
                 break
@@ -439,8 +459,10 @@ class HFEngine:
     def _take_work(self, running: int) -> tuple[list[_Request], list[_WeightUpdate]] | None:
         """Wait for something to do; take queued requests that fit. None when closing."""
         with self._cond:
-            while not (self._closing or self._pending or self._updates or running):
+            while not (self._closing or self._aborting or self._pending or self._updates or running):
                 self._cond.wait()
+            if self._aborting:
+                return [], []
             if self._closing:
                 return None
             new: list[_Request] = []
@@ -512,5 +534,11 @@ class HFEngine:
             self._updates.clear()
         for request in [*batch.requests, *queued]:
             request.finish("abort")
+        if self._aborting:
+            with self._cond:
+                self._updates.extendleft(reversed(updates))  # an abort keeps pending weight updates
+                self._aborting = False
+                self._cond.notify_all()
+            return
         for update in updates:
             _resolve(update.loop, update.future, EngineError("engine closed before the weight update"))

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from turnrl.rollout.control import as_abortable
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.types import Sample, Trajectory
 
@@ -20,14 +21,25 @@ Done = set[tuple[str, int]]
 
 
 async def iter_trajectories(
-    samples: Sequence[Sample], spec: RolloutSpec, n: int = 1, concurrency: int = 32, skip: Done | None = None
+    samples: Sequence[Sample],
+    spec: RolloutSpec,
+    n: int = 1,
+    concurrency: int = 32,
+    skip: Done | None = None,
+    target_groups: int | None = None,
 ) -> AsyncIterator[Trajectory]:
     """Run ``n`` trajectories per sample as independent tasks; yield each as soon as it finishes.
 
     Each trajectory is its own asyncio task (request level, not batch level): a slow one
     never holds back the others, and the engine batches whatever is in flight. Pairs in
-    ``skip`` (already on disk) are not run again.
+    ``skip`` (already on disk) are not run again. With ``target_groups`` (over-sampling),
+    once that many groups are complete the rest are stopped through ``spec.control``: they
+    come back promptly with stop reason ``aborted`` and the tokens they had.
     """
+    if target_groups is not None and spec.control is None:
+        raise ValueError("target_groups needs spec.control (a RolloutControl) to stop the slowest groups")
+    left = {s.id: n for s in samples}
+    complete = 0
     gate = asyncio.Semaphore(concurrency)
     skip = skip or set()
 
@@ -39,7 +51,13 @@ async def iter_trajectories(
     tasks = [asyncio.create_task(one(s, k)) for s, k in pairs]
     try:
         for next_done in asyncio.as_completed(tasks):
-            yield await next_done
+            traj = await next_done
+            left[traj.group_id] -= 1
+            complete += left[traj.group_id] == 0
+            control = spec.control
+            if target_groups is not None and complete >= target_groups and control and not control.stopped:
+                await control.stop(as_abortable(spec.engine))
+            yield traj
     finally:
         for task in tasks:
             task.cancel()
@@ -83,12 +101,16 @@ async def collect(
     out_path: Path | None = None,
     on_done: OnDone | None = None,
     skip: Done | None = None,
+    target_groups: int | None = None,
 ) -> list[Trajectory]:
-    """Run everything; write each trajectory to ``out_path`` (JSONL) the moment it finishes."""
+    """Run everything; write each trajectory to ``out_path`` (JSONL) the moment it finishes.
+
+    ``target_groups`` over-samples: see ``iter_trajectories``.
+    """
     writer = JsonlWriter(out_path) if out_path else None
     done: list[Trajectory] = []
     try:
-        async for traj in iter_trajectories(samples, spec, n, concurrency, skip):
+        async for traj in iter_trajectories(samples, spec, n, concurrency, skip, target_groups):
             if writer:
                 writer.write(traj)
             done.append(traj)

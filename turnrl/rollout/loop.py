@@ -16,6 +16,7 @@ from turnrl.chat.encoder import ChatEncoder, ConversationEncoder
 from turnrl.engines.base import Engine, Generation, SamplingParams
 from turnrl.env.base import Env, EnvFactory, StepResult
 from turnrl.rewards import RewardContext, RewardFn, compute_reward
+from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.record import ResponseRecord
 from turnrl.types import Message, Sample, StopReason, Trajectory, Turn
 
@@ -43,6 +44,8 @@ class RolloutSpec:
     check: CheckMode = "strict"  # sanity check of the final sequence
     reward_fn: RewardFn | None = None  # overrides routing by data_source
     on_turn: TurnHook | None = None  # called after every turn is appended (per-turn logging)
+    control: RolloutControl | None = None  # pause/resume/stop for partial rollout
+    mask_offpolicy: bool = False  # mask (0) model tokens sampled by an older policy than the newest
 
 
 TurnHook = Callable[[Sample, int, int, Turn], None]
@@ -142,17 +145,14 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
             max_tokens = min(spec.sampling.max_tokens, budget)
             t0 = time.perf_counter()
             try:
-                # The live sequence is passed without a copy (O(1) per turn); engines must not keep it.
-                seed = request_seed(spec.sampling.seed, sample, sample_index, record.num_model_turns)
-                sampling = dataclasses.replace(spec.sampling, max_tokens=max_tokens, seed=seed)
-                gen: Generation = await spec.engine.generate(record.sequence, sampling)
+                gen = await _generate(spec, record, sample, sample_index, max_tokens)
             except Exception as exc:
                 error, stop = f"engine: {type(exc).__name__}: {exc}", StopReason.ENGINE_ERROR
                 break
             gen_s = time.perf_counter() - t0
             metrics["time/generate"] += gen_s
             text, last_token_text = conv.assistant_text(gen.token_ids)
-            turn = record.add_model(gen, text, gen_s)
+            turn = record.add_model(gen, text, gen_s, _versions(gen, spec.control))
             if gen.finish_reason == "abort":
                 record.messages.append(_assistant_message(text, None))
                 stop = StopReason.ABORTED
@@ -217,9 +217,12 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
             sample_index=sample_index,
             error=error,
             info=info,
+            policy_versions=record.policy_versions,
         )
         traj.reward = await _safe_reward(sample, traj, env, spec)
         _finish_metrics(traj, conv, last_token_text, spec.check)
+        if spec.mask_offpolicy:
+            _mask_offpolicy(traj, record.policy_versions)
         return traj
     finally:
         await _close(env)
@@ -241,6 +244,57 @@ def _failed_start(sample: Sample, index: int, error: str) -> Trajectory:
         sample_index=index,
         error=error,
     )
+
+
+async def _generate(
+    spec: RolloutSpec, record: ResponseRecord, sample: Sample, index: int, max_tokens: int
+) -> Generation:
+    """One model turn. The live sequence is passed without a copy (O(1) per turn). If a pause
+    aborts the generation, the sampled tokens are kept and, on resume, generation continues from
+    them, conditioned on them, until the turn is complete."""
+    control = spec.control
+    if control is not None and control.stopped:
+        return Generation([], [], "abort")
+    seed = request_seed(spec.sampling.seed, sample, index, record.num_model_turns)
+    sampling = dataclasses.replace(spec.sampling, max_tokens=max_tokens, seed=seed)
+    gen = await spec.engine.generate(record.sequence, sampling)
+    while gen.finish_reason == "abort" and control is not None and not control.stopped and control.paused:
+        await control.wait_running()
+        left = max_tokens - len(gen.token_ids)
+        if control.stopped or left <= 0:
+            break
+        resumed = dataclasses.replace(sampling, max_tokens=left, seed=None if seed is None else seed + 1)
+        more = await spec.engine.generate(record.sequence + gen.token_ids, resumed)
+        gen = _join(gen, more, control)
+    return gen
+
+
+def _versions(gen: Generation, control: RolloutControl | None) -> list[int]:
+    """Per-token policy versions: the engine's, else the control's current version."""
+    if gen.versions is not None and len(gen.versions) == len(gen.token_ids):
+        return list(gen.versions)
+    return [control.policy_version if control else 0] * len(gen.token_ids)
+
+
+def _join(first: Generation, more: Generation, control: RolloutControl) -> Generation:
+    """A generation continued after an abort: tokens, logprobs and versions concatenated."""
+    versions = _versions(first, control) + _versions(more, control)
+    info = {"resumed": (first.info or {}).get("resumed", 0) + 1}
+    return Generation(
+        first.token_ids + more.token_ids, first.logprobs + more.logprobs, more.finish_reason, info, versions
+    )
+
+
+def _mask_offpolicy(traj: Trajectory, versions: list[int]) -> None:
+    """Mask (0) model tokens sampled by an older policy than the trajectory's newest."""
+    sampled = [v for v, m in zip(versions, traj.loss_mask, strict=True) if m]
+    newest = max(sampled, default=0)
+    masked = 0
+    for i, (v, m) in enumerate(zip(versions, traj.loss_mask, strict=True)):
+        if m and v < newest:
+            traj.loss_mask[i] = 0
+            masked += 1
+    traj.metrics["tokens/offpolicy_masked"] = masked
 
 
 def _notify(spec: RolloutSpec, sample: Sample, index: int, record: ResponseRecord) -> None:

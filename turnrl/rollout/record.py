@@ -16,12 +16,13 @@ class ResponseRecord:
     response_ids: list[int] = field(default_factory=list)  # model and env tokens
     loss_mask: list[int] = field(default_factory=list)  # 1 model, 0 env/template
     rollout_logprobs: list[float] = field(default_factory=list)  # 0.0 where mask is 0
+    policy_versions: list[int] = field(default_factory=list)  # per token; -1 where mask is 0
     turns: list[Turn] = field(default_factory=list)  # spans in order
     messages: list[Message] = field(default_factory=list)  # the conversation so far
     num_model_turns: int = 0  # model turns so far
     reported: int = 0  # turns already passed to the per-turn hook
 
-    def add_model(self, gen: Generation, text: str, seconds: float) -> Turn:
+    def add_model(self, gen: Generation, text: str, seconds: float, versions: list[int]) -> Turn:
         """Append the engine's tokens exactly as sampled (mask 1)."""
         if len(gen.logprobs) != len(gen.token_ids):
             raise ValueError(f"engine returned {len(gen.token_ids)} tokens but {len(gen.logprobs)} logprobs")
@@ -30,6 +31,7 @@ class ResponseRecord:
         self.sequence += gen.token_ids
         self.loss_mask += [1] * len(gen.token_ids)
         self.rollout_logprobs += gen.logprobs
+        self.policy_versions += versions
         turn = Turn(
             "assistant", start, len(self.response_ids), text, {"generate": seconds}, gen.finish_reason
         )
@@ -46,6 +48,7 @@ class ResponseRecord:
         self.sequence += ids
         self.loss_mask += [0] * len(ids)
         self.rollout_logprobs += [0.0] * len(ids)
+        self.policy_versions += [-1] * len(ids)
         role = "+".join(dict.fromkeys(str(m.get("role")) for m in messages))
         self.turns.append(
             Turn(role, start, len(self.response_ids), text, {"encode": seconds}, None, None, retries)

@@ -72,6 +72,8 @@ def _parse_line(line: str, path: Path, number: int) -> dict[str, Any]:
         raise ViewerError(f"{path}:{number}: not a trajectory (missing {', '.join(missing)})")
     if len(data["loss_mask"]) != len(data["response_ids"]):
         raise ViewerError(f"{path}:{number}: loss_mask and response_ids differ in length")
+    if not isinstance(data["turns"], list) or not all(isinstance(t, dict) for t in data["turns"]):
+        raise ViewerError(f"{path}:{number}: turns is not a list of objects")
     return data
 
 
@@ -129,11 +131,15 @@ def token_texts(ids: Iterable[int], tokenizer: Any) -> dict[str, str]:
 
 
 def _decode_one(tokenizer: Any, token_id: int) -> str:
-    """One token's text; its vocabulary entry when decoding fails."""
+    """One token's text; its vocabulary entry when decoding fails; ``<id>`` when both fail."""
     try:
         return str(tokenizer.decode([token_id], skip_special_tokens=False))
     except Exception:
+        pass
+    try:
         return str(tokenizer.convert_ids_to_tokens(token_id))
+    except Exception:
+        return f"<{token_id}>"
 
 
 def turn_messages(messages: Sequence[dict[str, Any]], turns: Sequence[dict[str, Any]]) -> list[list[int]]:
