@@ -24,33 +24,21 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from turnrl.chat.encoder import ChatEncoder
+from turnrl.chat.report import DEFAULT_TOOLS
 from turnrl.engines.base import Generation, SamplingParams
 from turnrl.env.base import Env, StepResult
 from turnrl.models import qwen3_tokenizer_dir
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
 from turnrl.types import Message, Sample
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string", "description": "e.g. 6*7"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+TOOLS = DEFAULT_TOOLS
 PROMPT: list[Message] = [
     {"role": "system", "content": "You are a careful assistant. Use the calculator."},
     {"role": "user", "content": "Add up the numbers the tool gives you, one call per turn."},
 ]
 REPLY = (
     "<think>\nI need the next number; calling the tool.\n</think>\n\n"
-    '<tool_call>\n{"name": "calc", "arguments": {"expression": "17*23+4"}}\n</tool_call>'
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17*23+4"}}\n</tool_call>'
 )
 RESULT = "395 (17*23+4). Keep going: the running total is now larger than before."
 
@@ -84,7 +72,9 @@ class InstantToolEnv(Env):
     tools = TOOLS
 
     async def step(self, action: str) -> StepResult:
-        return StepResult([{"role": "tool", "name": "calc", "tool_call_id": "call_0", "content": RESULT}])
+        return StepResult(
+            [{"role": "tool", "name": "calculator", "tool_call_id": "call_0", "content": RESULT}]
+        )
 
 
 def turnrl_costs(tokenizer: Any, turns: int) -> list[float]:
@@ -106,7 +96,7 @@ def rerender_costs(tokenizer: Any, turns: int) -> list[float]:
     costs = []
     for _ in range(turns):
         messages.append({"role": "assistant", "content": REPLY})
-        messages.append({"role": "tool", "name": "calc", "tool_call_id": "call_0", "content": RESULT})
+        messages.append({"role": "tool", "name": "calculator", "tool_call_id": "call_0", "content": RESULT})
         t0 = time.perf_counter()
         text = tokenizer.apply_chat_template(
             messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
@@ -121,7 +111,7 @@ def bare_delta_costs(tokenizer: Any, turns: int) -> list[float]:
     base: list[Message] = [*PROMPT, {"role": "assistant", "content": "x"}]
     costs = []
     for _ in range(turns):
-        obs = {"role": "tool", "name": "calc", "tool_call_id": "call_0", "content": RESULT}
+        obs = {"role": "tool", "name": "calculator", "tool_call_id": "call_0", "content": RESULT}
         t0 = time.perf_counter()
         prev = tokenizer.apply_chat_template(base, tools=TOOLS, tokenize=False)
         full = tokenizer.apply_chat_template(

@@ -12,20 +12,7 @@ from turnrl.chat.check import classify
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.types import Message
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+TOOLS = report.DEFAULT_TOOLS
 PROMPT: list[Message] = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is 6*7?"},
@@ -34,7 +21,7 @@ EOT = "<|im_end|>"
 
 
 def tool_msg(content: str, i: int = 0) -> Message:
-    return {"role": "tool", "name": "calc", "tool_call_id": f"call_{i}", "content": content}
+    return {"role": "tool", "name": "calculator", "tool_call_id": f"call_{i}", "content": content}
 
 
 def simulate(
@@ -47,7 +34,7 @@ def full_ids(encoder: ChatEncoder, messages: list[Message], tools: Any, gen: boo
     return encoder.template.encode(encoder.template.render(messages, tools, gen))
 
 
-CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "6*7"}}\n</tool_call>'
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
 
 
 def test_probe_finds_qwen3_shapes(qwen3_tokenizer: Any) -> None:
