@@ -167,3 +167,28 @@ def test_qwen3_observations_take_the_fast_path(qwen3_tokenizer: Any, n_obs: int)
     for _ in range(5):
         assert conv.encode_observation(obs, EOT) == first
     assert conv.slow_turns == 0
+
+
+MISTRAL_LIKE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content']"
+    " + '[/INST]' }}{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}{{- '[TOOL_RESULTS] ' + message['content'] + '[/TOOL_RESULTS]' }}"
+    "{%- endif %}{%- endfor %}"
+)
+
+
+def test_template_that_moves_the_system_prompt_is_reported_unsafe(qwen3_tokenizer: Any) -> None:
+    """Mistral-style templates put the system prompt into the last user message: not append-only."""
+    tok = copy.copy(qwen3_tokenizer)
+    tok.chat_template = MISTRAL_LIKE
+    result = report.report_for(ChatEncoder(tok), "mistral-like")
+    assert not result.safe
+    for name in ("user turns", "tool calls"):
+        # the system prompt sits in the prompt's user message only while it is the last message
+        assert "You are a helpful assistant." in result.results[name].diff
+        assert any(h.kind == "text" for h in result.results[name].hunks)
+    assert "NOT SAFE" in result.text()
