@@ -244,3 +244,22 @@ async def test_non_canonical_sampled_tokens_are_kept_and_reported(qwen3_tokenize
     assert traj.metrics["check/ok"] is True and traj.metrics["check/expected_diffs"] >= 1
     kinds = [(h["kind"], h["expected"]) for h in traj.info["check"]["hunks"]]
     assert ("same_text", True) in kinds
+
+
+class BadObservationEnv(EchoEnv):
+    def format_observation(self, observation: Any) -> list[dict[str, Any]]:
+        raise KeyError("no such field")
+
+
+async def test_bad_observation_or_prompt_ends_only_that_trajectory(qwen3_tokenizer: Any) -> None:
+    engine = ScriptedEngine(qwen3_tokenizer, ["a", "b", "c"])
+    spec = spec_for(engine, qwen3_tokenizer, BadObservationEnv)
+    samples = [
+        Sample("bad-obs", [{"role": "user", "content": "Hi"}]),
+        Sample("bad-prompt", [{"role": "user"}]),
+    ]
+    trajs = {t.group_id: t for t in await collect(samples, spec)}
+    assert trajs["bad-obs"].stop_reason == StopReason.ENV_ERROR and trajs["bad-obs"].num_turns == 1
+    assert "observation: KeyError" in (trajs["bad-obs"].error or "")
+    assert trajs["bad-prompt"].stop_reason == StopReason.ENV_ERROR
+    assert (trajs["bad-prompt"].error or "").startswith("prompt:")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from turnrl.rollout.control import as_abortable
-from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.rollout.loop import RolloutSpec, failed_trajectory, run_trajectory
 from turnrl.types import Sample, Trajectory
 
 OnDone = Callable[[Trajectory], None]
@@ -45,7 +45,10 @@ async def iter_trajectories(
 
     async def one(sample: Sample, index: int) -> Trajectory:
         async with gate:
-            return await run_trajectory(sample, spec, index)
+            try:
+                return await run_trajectory(sample, spec, index)
+            except Exception as exc:  # a bug in one trajectory never takes the others down
+                return failed_trajectory(sample, index, f"internal: {type(exc).__name__}: {exc}")
 
     pairs = [(s, k) for s in samples for k in range(n) if (s.id, k) not in skip]
     tasks = [asyncio.create_task(one(s, k)) for s, k in pairs]

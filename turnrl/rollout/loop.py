@@ -110,7 +110,7 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
     try:
         env = spec.env_factory(sample)
     except Exception as exc:  # a trajectory that cannot start still comes back, with its reason
-        return _failed_start(sample, sample_index, f"env: {type(exc).__name__}: {exc}")
+        return failed_trajectory(sample, sample_index, f"env: {type(exc).__name__}: {exc}")
     failures: dict[str, int] = {}
     metrics: dict[str, Any] = {
         "env_retries": 0,
@@ -130,9 +130,12 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
             metrics["env_retries"] += retries
         except EnvFailure as exc:
             prompt, error, stop = list(sample.prompt), f"reset: {exc}", StopReason.ENV_ERROR
-        conv = spec.encoder.conversation(env.tools)
         # 2. Encode the prompt once; from here on, tokens are only appended.
-        prompt_ids = conv.encode_prompt(prompt)
+        try:
+            conv = spec.encoder.conversation(env.tools)
+            prompt_ids = conv.encode_prompt(prompt)
+        except Exception as exc:  # e.g. the chat template rejects the prompt or the tools
+            return failed_trajectory(sample, sample_index, f"prompt: {type(exc).__name__}: {exc}")
         record.messages = list(prompt)
         record.sequence = list(prompt_ids)
         last_token_text: str | None = None
@@ -188,8 +191,12 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
                 break
             # 6. Append the observation as delta tokens (mask 0), unless it would overflow.
             t0 = time.perf_counter()
-            obs_messages = env.format_observation(result.observation)
-            obs_ids = conv.encode_observation(obs_messages, last_token_text)
+            try:
+                obs_messages = env.format_observation(result.observation)
+                obs_ids = conv.encode_observation(obs_messages, last_token_text)
+            except Exception as exc:  # a bad observation ends this trajectory, not the run
+                error, stop = f"observation: {type(exc).__name__}: {exc}", StopReason.ENV_ERROR
+                break
             encode_s = time.perf_counter() - t0
             metrics["time/encode"] += encode_s
             if _budget(record, spec.limits) - len(obs_ids) <= 0:
@@ -228,8 +235,8 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
         await _close(env)
 
 
-def _failed_start(sample: Sample, index: int, error: str) -> Trajectory:
-    """The record of a trajectory whose env could not even be built."""
+def failed_trajectory(sample: Sample, index: int, error: str) -> Trajectory:
+    """The record of a trajectory that failed before its first turn (no env, no prompt)."""
     return Trajectory(
         id=f"{sample.id}/{index}",
         group_id=sample.id,
