@@ -52,7 +52,12 @@ class InstantEngine:
         self._returned: float | None = None
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Any = ()
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Any = (),
+        *,
+        session: str | None = None,
     ) -> Generation:
         now = time.perf_counter()
         if self._returned is not None:

@@ -96,3 +96,26 @@ def test_view_writes_a_page_and_rejects_a_missing_run(tmp_path: Path, tiny_qwen3
     assert "echo-0/0" in page  # the trajectories are embedded
     missing = turnrl("view", str(tmp_path / "nope"), cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+
+
+def test_rollout_with_env_workers_on_ray(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    pytest.importorskip("ray")
+    config = write_config(tmp_path, str(tiny_qwen3_dir))
+    result = turnrl(
+        "rollout",
+        str(config),
+        "--set",
+        "env.ray.enabled=true",
+        "--set",
+        "env.ray.num_workers=1",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["trajectories"] == 6 and "env_error" not in summary["stop_reasons"]
+
+
+def test_server_engine_needs_urls(tmp_path: Path) -> None:
+    config = write_config(tmp_path, "tiny-qwen3", {"engine": {"kind": "openai", "dialect": "llamacpp"}})
+    result = turnrl("rollout", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "engine.kind 'openai' needs engine.urls" in result.stderr

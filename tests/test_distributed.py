@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ ray = pytest.importorskip("ray")
 
 from turnrl.chat.encoder import ChatEncoder  # noqa: E402
 from turnrl.data import read_rows, to_samples  # noqa: E402
-from turnrl.distributed import RayEnvConfig, RayEnvPool  # noqa: E402
+from turnrl.distributed import RayEnvConfig, RayEnvPool, ray_env_factory  # noqa: E402
 from turnrl.distributed.worker import EnvSpec, EnvWorker  # noqa: E402
 from turnrl.engines.base import SamplingParams  # noqa: E402
 from turnrl.engines.scripted import ScriptedEngine  # noqa: E402
@@ -45,17 +46,17 @@ REPLIES = [
 class SleepyEnv(EchoEnv):
     """Sleeps in every step: ``time.sleep`` (blocking, as sync code does) or ``asyncio.sleep``."""
 
-    def __init__(self, sample: Sample, delay_s: float = 0.2, blocking: bool = True, **kwargs: Any) -> None:
+    def __init__(self, sample: Sample, sleep_s: float = 0.2, blocking: bool = True, **kwargs: Any) -> None:
         super().__init__(sample, **kwargs)
-        self.delay_s = float(sample.metadata.get("delay_s", delay_s))
+        self.sleep_s = float(sample.metadata.get("sleep_s", sleep_s))
         self.blocking = blocking
 
     async def step(self, action: str) -> StepResult:
         """Sleep, then answer like EchoEnv."""
         if self.blocking:
-            time.sleep(self.delay_s)
+            time.sleep(self.sleep_s)
         else:
-            await asyncio.sleep(self.delay_s)
+            await asyncio.sleep(self.sleep_s)
         return await super().step(action)
 
 
@@ -206,23 +207,27 @@ async def heartbeat_gap(run: Any) -> tuple[float, float]:
 
 async def test_blocking_env_on_ray_does_not_block_the_driver(pool: RayEnvPool, qwen3_tokenizer: Any) -> None:
     samples = stories(4)
-    kwargs = {"delay_s": 0.2, "done_after": 2}
+    kwargs: dict[str, Any] = {"sleep_s": 0.2, "done_after": 2}
+    spec = spec_for(qwen3_tokenizer, lambda s: SleepyEnv(s, **kwargs))
+    spec.encoder.conversation(None)  # probe the template now, not inside the timed runs
 
     async def rollouts(factory: EnvFactory) -> None:
-        trajs = await collect(samples, spec_for(qwen3_tokenizer, factory))
+        trajs = await collect(samples, dataclasses.replace(spec, env_factory=factory))
         assert [t.stop_reason for t in trajs] == [StopReason.ENV_DONE] * len(samples)
 
-    local_gap, local_s = await heartbeat_gap(lambda: rollouts(lambda s: SleepyEnv(s, **kwargs)))
-    ray_gap, ray_s = await heartbeat_gap(lambda: rollouts(pool.factory(SleepyEnv, kwargs)))
+    local_gap, local_s = await heartbeat_gap(lambda: rollouts(spec.env_factory))
+    on_ray = pool.factory(SleepyEnv, kwargs)
+    await rollouts(pool.factory(SleepyEnv, {**kwargs, "sleep_s": 0.0}))  # warm up: the workers load the class
+    ray_gap, ray_s = await heartbeat_gap(lambda: rollouts(on_ray))
     assert local_gap >= 0.2 and local_s >= 8 * 0.2  # in the driver, each sleep stalls everything
     assert ray_gap < 0.1  # on Ray the driver's loop keeps ticking
-    assert ray_s < local_s / 2  # and the blocking steps overlap (one thread per env in the workers)
+    assert ray_s < 4 * 0.2  # and the blocking steps overlap (one thread per env in the workers): ~2 x 0.2 s
 
 
 async def test_trajectories_stream_back_as_they_finish(pool: RayEnvPool, qwen3_tokenizer: Any) -> None:
     samples = [
-        *stories(3, delay_s=0.02),
-        Sample("slow", [{"role": "user", "content": "Wait."}], metadata={"delay_s": 1.0}),
+        *stories(3, sleep_s=0.02),
+        Sample("slow", [{"role": "user", "content": "Wait."}], metadata={"sleep_s": 1.0}),
     ]
     factory = pool.factory(SleepyEnv, {"blocking": False, "done_after": 1})
     t0 = time.perf_counter()
@@ -239,7 +244,7 @@ async def test_killed_worker_ends_its_trajectories_and_is_replaced(
 ) -> None:
     pool = start_pool()
     try:
-        factory = pool.factory(SleepyEnv, {"delay_s": 0.3, "blocking": False, "done_after": 3})
+        factory = pool.factory(SleepyEnv, {"sleep_s": 0.3, "blocking": False, "done_after": 3})
         spec = spec_for(qwen3_tokenizer, factory)
         run = asyncio.create_task(collect(stories(6), spec))
         while await pool.live_envs() < 6:  # every env built and reset: they are stepping now
@@ -269,6 +274,26 @@ async def test_worker_closes_an_env_whose_open_was_abandoned() -> None:
     with pytest.raises(RuntimeError, match="closed while it opened"):
         await opening
     assert worker.episodes == {}
+
+
+async def test_ray_env_factory_runs_a_config_env(ray_cluster: None, qwen3_tokenizer: Any) -> None:
+    config = RayEnvConfig(enabled=True, num_workers=1, num_cpus_per_worker=0.5)
+    factory = ray_env_factory(resolve_env("guess_number").factory, {"hi": 8}, config)
+    try:
+        samples = to_samples(GuessNumberEnv.dataset(size=2, hi=8), "guess")
+        trajs = await collect(samples, spec_for(qwen3_tokenizer, factory))
+        assert len(trajs) == 2 and all(t.error is None for t in trajs)
+    finally:
+        factory.shutdown()
+
+
+def test_pool_that_cannot_be_placed_fails_fast(ray_cluster: None) -> None:
+    pool = RayEnvPool(RayEnvConfig(enabled=True, num_workers=1, num_cpus_per_worker=64))
+    try:
+        with pytest.raises(RuntimeError, match="ask for 64 CPUs, the cluster has 2"):
+            pool.ready(timeout_s=0.5)
+    finally:
+        pool.shutdown()
 
 
 def test_config_switch_defaults_off_and_rejects_unknown_keys() -> None:

@@ -185,7 +185,12 @@ class RecordingEngine:
         self.generations: list[list[int]] = []
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Any = ()
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Any = (),
+        *,
+        session: str | None = None,
     ) -> Generation:
         gen = await self.inner.generate(prompt_ids, sampling)
         self.generations.append(list(gen.token_ids))

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from turnrl.distributed.config import RayEnvConfig
 from turnrl.engines.base import SamplingParams
 from turnrl.rollout.loop import Limits
 
@@ -23,10 +24,21 @@ class _Strict(BaseModel):
 class EngineConfig(_Strict):
     """Which engine generates, and how."""
 
-    kind: Literal["hf"] = "hf"  # hf: embedded transformers engine (CPU or GPU)
-    max_batch_size: int = Field(32, ge=1)  # sequences decoded together
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
+    kind: Literal["hf", "openai", "sglang", "vllm"] = "hf"  # hf: embedded transformers engine
+    max_batch_size: int = Field(32, ge=1)  # hf: sequences decoded together
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # hf
+    device: str = "cpu"  # hf
+    urls: list[str] = Field(default_factory=list)  # openai/sglang servers; several: load-balanced
+    dialect: Literal["vllm", "sglang", "llamacpp"] = "vllm"  # openai: which server speaks
+    served_model: str | None = None  # openai: the server's "model" field
+    api_key_env: str | None = None  # name of the environment variable holding the API key
+    timeout_s: float = Field(300.0, gt=0)  # one request
+    max_retries: int = Field(3, ge=0)  # connection errors, 5xx, timeouts
+    retry_budget_s: float = Field(600.0, gt=0)  # total seconds of retrying for one request
+    max_sticky_turns: int = Field(32, ge=1)  # balancer: turns a trajectory stays on one server
+    load_factor: float = Field(2.0, ge=1)  # balancer: move off a server this much busier than the least
+    cooloff_s: float = Field(30.0, ge=0)  # balancer: how long a failed server is left out
+    vllm_kwargs: dict[str, Any] = Field(default_factory=dict)  # vllm: AsyncEngineArgs
 
 
 class ChatConfig(_Strict):
@@ -41,6 +53,7 @@ class EnvConfig(_Strict):
 
     name: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    ray: RayEnvConfig = Field(default_factory=RayEnvConfig)  # env workers on Ray; off: in-process
 
 
 class DataConfig(_Strict):

@@ -49,7 +49,10 @@ class _Worker:
 
 
 class RayEnvPool:
-    """A fixed number of env worker actors; ``factory`` makes EnvFactories whose envs live in them."""
+    """A fixed number of env worker actors; ``factory`` makes EnvFactories whose envs live in them.
+
+    The pool runs whatever ``config.enabled`` says: that flag is the run config's switch.
+    """
 
     def __init__(self, config: RayEnvConfig | None = None) -> None:
         self.config = config or RayEnvConfig(enabled=True)
@@ -71,7 +74,7 @@ class RayEnvPool:
         if len(done) < len(refs):
             wanted = self.config.num_workers * self.config.num_cpus_per_worker
             raise RuntimeError(
-                f"only {len(done)} of {len(refs)} env workers started within {timeout_s:.0f}s: they ask "
+                f"only {len(done)} of {len(refs)} env workers started within {timeout_s:g} s: they ask "
                 f"for {wanted:g} CPUs, the cluster has {ray.cluster_resources().get('CPU', 0):g}"
             )
         return [int(pid) for pid in ray.get(done)]

@@ -48,12 +48,19 @@ class Engine(Protocol):
     """Generates from token ids; many callers may await it concurrently."""
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Sequence[Any] = ()
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[Any] = (),
+        *,
+        session: str | None = None,
     ) -> Generation:
         """Sample a continuation of ``prompt_ids``.
 
         The rollout passes its live token list without copying; the caller appends to it
         after the call returns, so an engine that keeps the ids beyond the call must copy them.
+        ``session`` names the trajectory (every turn of it passes the same one), so engines
+        behind a load balancer can keep its turns on one server's prefix cache; others ignore it.
         """
         ...
 

@@ -350,7 +350,12 @@ class HFEngine:
         await self.close()
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Sequence[Any] = ()
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[Any] = (),
+        *,
+        session: str | None = None,
     ) -> Generation:
         """Sample a continuation of ``prompt_ids``; concurrent calls share decode steps."""
         request = self._make_request(list(prompt_ids), sampling, images)

@@ -88,7 +88,12 @@ class ScriptedEngine:
         return [call.prompt_ids for call in self.calls]
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Sequence[Any] = ()
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[Any] = (),
+        *,
+        session: str | None = None,
     ) -> Generation:
         """Return the next scripted reply, cut like a real engine's sample."""
         if self._closed:

@@ -264,14 +264,15 @@ async def _generate(
         return Generation([], [], "abort")
     seed = request_seed(spec.sampling.seed, sample, index, record.num_model_turns)
     sampling = dataclasses.replace(spec.sampling, max_tokens=max_tokens, seed=seed)
-    gen = await spec.engine.generate(record.sequence, sampling)
+    session = f"{sample.id}/{index}"
+    gen = await spec.engine.generate(record.sequence, sampling, session=session)
     while gen.finish_reason == "abort" and control is not None and not control.stopped and control.paused:
         await control.wait_running()
         left = max_tokens - len(gen.token_ids)
         if control.stopped or left <= 0:
             break
         resumed = dataclasses.replace(sampling, max_tokens=left, seed=None if seed is None else seed + 1)
-        more = await spec.engine.generate(record.sequence + gen.token_ids, resumed)
+        more = await spec.engine.generate(record.sequence + gen.token_ids, resumed, session=session)
         gen = _join(gen, more, control)
     return gen
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import DataConfig, RunConfig
 from turnrl.data import read_rows, to_samples
 from turnrl.engines.base import Engine
+from turnrl.env.base import EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.imports import import_object
 from turnrl.rewards import register_reward
@@ -58,15 +60,65 @@ def load_samples(data: DataConfig, entry: EnvEntry) -> list[Sample]:
 
 def build_engine(config: RunConfig) -> tuple[Engine, Any]:
     """The engine and the tokenizer for ``config.model``."""
-    from turnrl.engines.hf import HFEngine
+    e = config.engine
+    if e.kind == "hf":
+        from turnrl.engines.hf import HFEngine
 
-    engine = HFEngine.from_spec(
-        config.model,
-        max_batch_size=config.engine.max_batch_size,
-        dtype=config.engine.dtype,
-        device=config.engine.device,
+        engine = HFEngine.from_spec(
+            config.model, max_batch_size=e.max_batch_size, dtype=e.dtype, device=e.device
+        )
+        return engine, engine.tokenizer
+    from turnrl.models import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(config.model)
+    if e.kind == "vllm":
+        from turnrl.engines.vllm_inproc import VLLMEngine
+
+        return VLLMEngine(resolve_model(config.model).path, **e.vllm_kwargs), tokenizer
+    return _server_engine(config, tokenizer), tokenizer
+
+
+def _server_engine(config: RunConfig, tokenizer: Any) -> Engine:
+    """OpenAI-compatible or SGLang servers; several URLs go behind a load balancer."""
+    from turnrl.engines.balancer import BalancedEngine
+    from turnrl.engines.openai import OpenAIEngine
+    from turnrl.engines.sglang import SGLangEngine
+
+    e = config.engine
+    if not e.urls:
+        raise RunError(f"engine.kind {e.kind!r} needs engine.urls (the servers' base URLs)")
+    eos = [i for i in (tokenizer.eos_token_id,) if i is not None]
+    key = os.environ.get(e.api_key_env) if e.api_key_env else None
+    common: dict[str, Any] = {
+        "eos_token_ids": eos,
+        "api_key": key,
+        "timeout_s": e.timeout_s,
+        "max_retries": e.max_retries,
+        "retry_budget_s": e.retry_budget_s,
+    }
+    engines: list[Engine] = [
+        SGLangEngine(url, **common)
+        if e.kind == "sglang"
+        else OpenAIEngine(url, e.served_model, dialect=e.dialect, **common)
+        for url in e.urls
+    ]
+    if len(engines) == 1:
+        return engines[0]
+    return BalancedEngine(
+        engines, max_sticky_turns=e.max_sticky_turns, load_factor=e.load_factor, cooloff_s=e.cooloff_s
     )
-    return engine, engine.tokenizer
+
+
+def build_env_factory(config: RunConfig, entry: EnvEntry) -> EnvFactory:
+    """The env factory: in-process, or each env built and run in a Ray worker actor."""
+    if not config.env.ray.enabled:
+        return entry.bind(config.env.kwargs)
+    entry.bind(config.env.kwargs)  # check the kwargs here, before any worker starts
+    try:
+        from turnrl.distributed import ray_env_factory
+    except ImportError as exc:
+        raise RunError(f"env.ray.enabled needs ray: pip install 'turnrl[ray]' ({exc})") from None
+    return ray_env_factory(entry.factory, config.env.kwargs, config.env.ray)
 
 
 RESUME_KEYS = ("model", "env", "data", "chat", "sampling", "limits", "rewards")
@@ -105,7 +157,7 @@ def prepare(config: RunConfig, overwrite: bool = False, resume: bool = False) ->
         )
     engine, tokenizer = build_engine(config)
     spec = RolloutSpec(
-        env_factory=entry.bind(config.env.kwargs),
+        env_factory=build_env_factory(config, entry),
         engine=engine,
         encoder=ChatEncoder(tokenizer, config.chat.template_kwargs),
         sampling=config.sampling.params(seed=config.rollout.seed),
@@ -194,6 +246,9 @@ async def run_prepared(prepared: Prepared, console: Console | None = None) -> di
             await prepared.spec.engine.close()
             if turn_writer:
                 turn_writer.close()
+            shutdown = getattr(prepared.spec.env_factory, "shutdown", None)
+            if callable(shutdown):
+                shutdown()  # stop the Ray env workers
     summary = summarize(finished)
     (prepared.out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary

@@ -1,0 +1,182 @@
+"""Spread requests over several engines: least in flight, sticky sessions, fail-over.
+
+- A request without a session, or the first turn of one, goes to the healthy engine with
+  the fewest requests in flight (ties: the one that has served the fewest).
+- Later turns of a session stick to the same engine, so its prefix cache is reused, until
+  ``max_sticky_turns`` consecutive turns have gone there or that engine has more than
+  ``load_factor`` times the in-flight requests of the least loaded one (at least 1); then
+  the session is placed afresh (possibly on the same engine).
+- An engine whose call fails for a server reason (unreachable, timed out, 5xx after its own
+  retries, or any exception that is not an ``EngineError``) is marked down for
+  ``cooloff_s`` seconds, its sessions move on their next call, and the failed call is tried
+  once more on another healthy engine. An ``EngineError`` that says the request itself was
+  bad (``RequestError`` and plain ``EngineError``) is raised without fail-over.
+- With no healthy engine left, ``generate`` raises ``EngineError``: the turn loop ends that
+  trajectory with stop reason ``engine_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from turnrl.engines.base import Engine, EngineError, Generation, SamplingParams
+from turnrl.engines.http import ServerError
+
+_MAX_SESSIONS = 100_000  # remembered sessions; the least recently used are forgotten first
+
+
+@dataclass
+class EngineStats:
+    """What the balancer knows about one engine."""
+
+    name: str
+    in_flight: int = 0
+    served: int = 0  # calls that returned a generation
+    failures: int = 0  # calls that failed for a server reason
+    down_until: float = 0.0  # monotonic time until which the engine gets no new requests
+    last_error: str = ""  # why it was last marked down
+
+    def healthy(self, now: float) -> bool:
+        """Whether the engine may take new requests."""
+        return now >= self.down_until
+
+
+@dataclass
+class _Binding:
+    """Where a session lives and how many consecutive turns it had there."""
+
+    index: int
+    turns: int = 0
+
+
+def _server_failure(exc: BaseException) -> bool:
+    """Whether a failed call means the engine (not the request) is at fault."""
+    return isinstance(exc, ServerError) or not isinstance(exc, EngineError)
+
+
+class BalancedEngine:
+    """An Engine over several engines: least-in-flight placement, sticky sessions, fail-over."""
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        max_sticky_turns: int = 32,
+        load_factor: float = 2.0,
+        cooloff_s: float = 30.0,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        """Balance over ``engines``; ``names`` label them in ``info["engine"]`` and errors."""
+        if not engines:
+            raise ValueError("BalancedEngine needs at least one engine")
+        if names is not None and len(names) != len(engines):
+            raise ValueError(f"{len(names)} names for {len(engines)} engines")
+        self.engines = list(engines)
+        labels = names or [getattr(e, "base_url", None) or f"engine{i}" for i, e in enumerate(engines)]
+        self.stats = [EngineStats(str(label)) for label in labels]
+        self.max_sticky_turns = max_sticky_turns
+        self.load_factor = load_factor
+        self.cooloff_s = cooloff_s
+        self._sessions: OrderedDict[str, _Binding] = OrderedDict()
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[Any] = (),
+        *,
+        session: str | None = None,
+    ) -> Generation:
+        """Generate on the chosen engine; on a server failure, once more on another healthy one."""
+        index = self._place(session)
+        try:
+            return await self._call(index, prompt_ids, sampling, images, session)
+        except Exception as exc:
+            if not _server_failure(exc):
+                raise
+            self._mark_down(index, exc)
+            first = f"{self.stats[index].name} failed: {exc}"
+        retry = self._place(session, exclude=index, reason=first)
+        try:
+            return await self._call(retry, prompt_ids, sampling, images, session)
+        except Exception as exc:
+            if not _server_failure(exc):
+                raise
+            self._mark_down(retry, exc)
+            raise EngineError(f"{first}; then {self.stats[retry].name} failed: {exc}") from exc
+
+    def forget(self, session: str) -> None:
+        """Drop a finished session's binding (optional: old sessions are evicted anyway)."""
+        self._sessions.pop(session, None)
+
+    def healthy(self) -> list[bool]:
+        """Per engine, whether it takes new requests now."""
+        now = time.monotonic()
+        return [s.healthy(now) for s in self.stats]
+
+    async def close(self) -> None:
+        """Close every engine."""
+        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+
+    def _place(self, session: str | None, *, exclude: int | None = None, reason: str = "") -> int:
+        """The engine index for this call, updating the session's binding."""
+        now = time.monotonic()
+        candidates = [i for i, s in enumerate(self.stats) if s.healthy(now) and i != exclude]
+        if not candidates:
+            detail = f" ({reason})" if reason else ""
+            raise EngineError(f"no healthy engine among {len(self.engines)}{detail}")
+        binding = self._sessions.get(session) if session is not None else None
+        if binding is not None and self._keep(binding, candidates):
+            binding.turns += 1
+            assert session is not None
+            self._sessions.move_to_end(session)
+            return binding.index
+        index = min(candidates, key=lambda i: (self.stats[i].in_flight, self.stats[i].served, i))
+        if session is not None:
+            self._bind(session, index)
+        return index
+
+    def _keep(self, binding: _Binding, candidates: list[int]) -> bool:
+        """Whether a session stays on its engine for one more turn."""
+        if binding.index not in candidates or binding.turns >= self.max_sticky_turns:
+            return False
+        least = min(self.stats[i].in_flight for i in candidates)
+        return self.stats[binding.index].in_flight <= self.load_factor * max(least, 1)
+
+    def _bind(self, session: str, index: int) -> None:
+        """Place a session on an engine, evicting the oldest bindings past the bound."""
+        self._sessions[session] = _Binding(index, turns=1)
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > _MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+
+    def _mark_down(self, index: int, exc: BaseException) -> None:
+        """Keep new requests off a failed engine for the cool-off."""
+        stats = self.stats[index]
+        stats.failures += 1
+        stats.last_error = f"{type(exc).__name__}: {exc}"
+        stats.down_until = time.monotonic() + self.cooloff_s
+
+    async def _call(
+        self,
+        index: int,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[Any],
+        session: str | None,
+    ) -> Generation:
+        """One call on one engine, counted in flight; the engine's name lands in ``info``."""
+        stats = self.stats[index]
+        stats.in_flight += 1
+        try:
+            gen = await self.engines[index].generate(prompt_ids, sampling, images, session=session)
+        finally:
+            stats.in_flight -= 1
+        stats.served += 1
+        gen.info = {**(gen.info or {}), "engine": stats.name}
+        return gen

@@ -1,0 +1,157 @@
+"""An engine for SGLang's native ``/generate`` endpoint: token ids in, ids and logprobs out.
+
+Request: ``input_ids``, ``sampling_params`` (temperature, top_p, top_k, max_new_tokens,
+stop_token_ids, sampling_seed), ``return_logprob: true``, ``rid`` (so a request can be
+aborted) and ``image_data`` for vision-language models (base64 strings, data URLs or
+URLs, passed through as given). Answer: ``meta_info.output_token_logprobs`` holds
+``[logprob, token_id, text]`` per sampled token and ``meta_info.finish_reason`` is
+``{"type": "stop" | "length" | "abort", ...}``; SGLang includes the matched stop token.
+
+Which distribution SGLang's logprobs are under depends on the server (by default they are
+taken after temperature scaling; see SGLang's docs on ``return_logprob``); this engine
+passes them through unchanged.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from turnrl.engines.base import Generation, SamplingParams
+from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present, require
+
+
+def sampling_params(sampling: SamplingParams) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` for one generation."""
+    params: dict[str, Any] = {
+        "temperature": max(sampling.temperature, 0.0),
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "max_new_tokens": sampling.max_tokens,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed
+    return params
+
+
+def generate_payload(
+    prompt_ids: Sequence[int], sampling: SamplingParams, images: Sequence[Any], rid: str
+) -> dict[str, Any]:
+    """The ``/generate`` request body."""
+    body: dict[str, Any] = {
+        "input_ids": [int(t) for t in prompt_ids],
+        "sampling_params": sampling_params(sampling),
+        "return_logprob": True,
+        "logprob_start_len": -1,  # logprobs of the output only
+        "top_logprobs_num": 0,
+        "stream": False,
+        "rid": rid,
+    }
+    if images:
+        body["image_data"] = list(images)
+    return body
+
+
+def parse_generate(answer: Any) -> tuple[list[int], list[float], str | None, dict[str, Any]]:
+    """Token ids, logprobs, finish type and meta_info from a ``/generate`` answer."""
+    require(
+        isinstance(answer, dict) and isinstance(answer.get("meta_info"), dict), "no meta_info in the answer"
+    )
+    meta: dict[str, Any] = answer["meta_info"]
+    triples = present(
+        meta.get("output_token_logprobs"), "no meta_info.output_token_logprobs (was return_logprob ignored?)"
+    )
+    ids = [int(t[1]) for t in triples]
+    logprobs = [float(t[0]) for t in triples]
+    output_ids = answer.get("output_ids")
+    if output_ids is not None:
+        require([int(t) for t in output_ids] == ids, "output_ids and output_token_logprobs disagree")
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    return ids, logprobs, kind, meta
+
+
+class SGLangEngine:
+    """Generates through SGLang's native ``/generate``; also aborts requests and reloads weights."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        max_retries: int = 3,
+        retry_budget_s: float = 600.0,
+        backoff_s: float = 0.25,
+        extra_sampling_params: Mapping[str, Any] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """``eos_token_ids`` are the model's stop ids (used to cut and to flag a missing stop token)."""
+        retry = RetryPolicy(max_retries=max_retries, budget_s=retry_budget_s, backoff_s=backoff_s)
+        self._client = JsonClient(
+            base_url, api_key=api_key, timeout_s=timeout_s, retry=retry, transport=transport
+        )
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self._extra = dict(extra_sampling_params or {})
+
+    @property
+    def base_url(self) -> str:
+        """The server root this engine talks to."""
+        return self._client.base_url
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[Any] = (),
+        *,
+        session: str | None = None,
+        rid: str | None = None,
+    ) -> Generation:
+        """Sample a continuation; ``rid`` names the request for :meth:`abort` (default: a fresh uuid)."""
+        if not prompt_ids:
+            raise RequestError("empty prompt")
+        body = generate_payload(prompt_ids, sampling, images, rid or uuid.uuid4().hex)
+        body["sampling_params"] |= self._extra
+        answer = await self._client.post("/generate", body)
+        try:
+            ids, logprobs, kind, meta = parse_generate(answer)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise RequestError(f"{self.base_url}: malformed /generate answer ({exc!r})") from None
+        info: dict[str, Any] = {"server": self.base_url, "rid": body["rid"]}
+        info["prompt_tokens"] = meta.get("prompt_tokens")
+        if meta.get("weight_version") is not None:
+            info["weight_versions"] = [meta["weight_version"], meta["weight_version"]]
+        stop_ids = self.eos_token_ids | frozenset(sampling.stop_token_ids)
+        return finish(ids, logprobs, kind, stop_ids, info, eos_known=bool(self.eos_token_ids))
+
+    async def abort(self, rid: str) -> None:
+        """Abort a running request (its generate() returns with finish_reason "abort")."""
+        await self._client.post("/abort_request", {"rid": rid})
+
+    async def update_weights_from_disk(
+        self, model_path: str, *, load_format: str | None = None, weight_version: str | None = None
+    ) -> dict[str, Any]:
+        """Load new weights from ``model_path`` on the server's disk; the server's answer."""
+        body: dict[str, Any] = {"model_path": model_path}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        answer = await self._client.post("/update_weights_from_disk", body)
+        if not isinstance(answer, dict) or not answer.get("success", False):
+            message = answer.get("message") if isinstance(answer, dict) else answer
+            raise RequestError(f"{self.base_url}: update_weights_from_disk failed: {message}")
+        return answer
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
