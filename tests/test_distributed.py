@@ -236,7 +236,10 @@ async def test_trajectories_stream_back_as_they_finish(pool: RayEnvPool, qwen3_t
         async for t in iter_trajectories(samples, spec_for(qwen3_tokenizer, factory))
     ]
     assert arrivals[-1][0] == "slow/0" and arrivals[-1][1] >= 1.0
-    assert all(seconds < 0.6 for _, seconds in arrivals[:-1])  # no barrier: fast ones come back first
+    slow_at = arrivals[-1][1]
+    assert all(
+        seconds < slow_at - 0.5 for _, seconds in arrivals[:-1]
+    )  # no barrier: fast ones come back first
 
 
 async def test_killed_worker_ends_its_trajectories_and_is_replaced(
