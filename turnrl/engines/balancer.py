@@ -13,6 +13,9 @@
   bad (``RequestError`` and plain ``EngineError``) is raised without fail-over.
 - With no healthy engine left, ``generate`` raises ``EngineError``: the turn loop ends that
   trajectory with stop reason ``engine_error``.
+- ``abort_all`` aborts on every engine; ``update_weights`` updates every healthy engine to
+  one new version (an engine that is down then keeps its old weights: its
+  ``EngineStats.weight_version`` says which it has).
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 from turnrl.engines.base import Engine, EngineError, Generation, SamplingParams
 from turnrl.engines.http import ServerError
+from turnrl.engines.weights import Weights, WeightUpdatable
 
 _MAX_SESSIONS = 100_000  # remembered sessions; the least recently used are forgotten first
+
+
+class _Abortable(Protocol):
+    async def abort_all(self) -> None: ...
 
 
 @dataclass
@@ -40,6 +48,7 @@ class EngineStats:
     failures: int = 0  # calls that failed for a server reason
     down_until: float = 0.0  # monotonic time until which the engine gets no new requests
     last_error: str = ""  # why it was last marked down
+    weight_version: int | None = None  # the version its last weight update through the balancer set
 
     def healthy(self, now: float) -> bool:
         """Whether the engine may take new requests."""
@@ -83,6 +92,12 @@ class BalancedEngine:
         self.load_factor = load_factor
         self.cooloff_s = cooloff_s
         self._sessions: OrderedDict[str, _Binding] = OrderedDict()
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the last weight update made through the balancer (0 before any)."""
+        return self._version
 
     async def generate(
         self,
@@ -118,6 +133,49 @@ class BalancedEngine:
         """Per engine, whether it takes new requests now."""
         now = time.monotonic()
         return [s.healthy(now) for s in self.stats]
+
+    async def abort_all(self) -> None:
+        """Abort the generations in flight on every engine (each must have ``abort_all``)."""
+        missing = [
+            s.name
+            for e, s in zip(self.engines, self.stats, strict=True)
+            if not callable(getattr(e, "abort_all", None))
+        ]
+        if missing:
+            raise TypeError(f"cannot abort generations in flight on {', '.join(missing)} (no abort_all)")
+        calls = (cast(_Abortable, e).abort_all() for e in self.engines)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        self._raise_failures("abort_all", range(len(self.engines)), results)
+
+    async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
+        """Update every healthy engine to one new version and return it.
+
+        The new version is ``version``, else the balancer's previous one plus one; every
+        engine is asked for it. EngineError when an engine fails (the others are updated).
+        """
+        now = time.monotonic()
+        targets = [i for i, s in enumerate(self.stats) if s.healthy(now)]
+        if not targets:
+            raise EngineError(f"no healthy engine among {len(self.engines)} to update")
+        new = self._version + 1 if version is None else version
+        calls = (cast(WeightUpdatable, self.engines[i]).update_weights(weights, version=new) for i in targets)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for i, result in zip(targets, results, strict=True):
+            if not isinstance(result, BaseException):
+                self.stats[i].weight_version = new
+        self._raise_failures("update_weights", targets, results)
+        self._version = new
+        return new
+
+    def _raise_failures(self, what: str, indices: Sequence[int], results: Sequence[object]) -> None:
+        """EngineError naming every engine whose call failed, if any did."""
+        failures = [
+            f"{self.stats[i].name}: {type(r).__name__}: {r}"
+            for i, r in zip(indices, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if failures:
+            raise EngineError(f"{what} failed on {len(failures)} engine(s): {'; '.join(failures)}")
 
     async def close(self) -> None:
         """Close every engine."""

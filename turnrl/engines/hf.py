@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from turnrl.engines.base import EngineError, FinishReason, Generation, SamplingParams
+from turnrl.engines.weights import Weights, load_state_dict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -73,6 +75,7 @@ class _WeightUpdate:
 
     state_dict: Mapping[str, torch.Tensor]
     strict: bool
+    version: int | None  # the version to set; None: the current one plus one
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[int]
 
@@ -368,16 +371,38 @@ class HFEngine:
             request.cancelled = True
             raise
 
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> int:
+    async def update_weights(
+        self, weights: Weights, *, version: int | None = None, strict: bool = True
+    ) -> int:
         """Load new weights between two decode steps; return the new weight version.
 
-        Running requests keep their KV cache and go on with the new weights; each
-        Generation's ``info["weight_versions"]`` gives the versions of its first and last token.
+        ``weights`` is a state dict or a saved checkpoint folder (its safetensors files are
+        read; tied weights it leaves out are taken from the tensors they are tied to). The new
+        version is ``version`` when given, else the current one plus one. Running requests
+        keep their KV cache and go on with the new weights; each Generation's
+        ``info["weight_versions"]`` gives the versions of its first and last token.
         """
+        if isinstance(weights, str | os.PathLike):
+            state_dict: Mapping[str, torch.Tensor] = await asyncio.to_thread(self._read_checkpoint, weights)
+        else:
+            state_dict = weights
         loop = asyncio.get_running_loop()
-        update = _WeightUpdate(state_dict, strict, loop, loop.create_future())
+        update = _WeightUpdate(state_dict, strict, version, loop, loop.create_future())
         self._submit(self._updates, update)
         return await update.future
+
+    def _read_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+        """A checkpoint folder's state dict, with the tied weights it omits filled in."""
+        state = load_state_dict(path)
+        names_by_storage: dict[int, list[str]] = {}
+        for name, tensor in self._model.state_dict().items():
+            names_by_storage.setdefault(tensor.data_ptr(), []).append(name)
+        for names in names_by_storage.values():
+            source = next((n for n in names if n in state), None)
+            for name in names:
+                if source is not None and name not in state:
+                    state[name] = state[source]
+        return state
 
     async def abort_all(self) -> None:
         """End every running and queued request now with finish_reason "abort", keeping the tokens
@@ -486,7 +511,7 @@ class HFEngine:
         try:
             with torch.no_grad():
                 self._model.load_state_dict(dict(update.state_dict), strict=update.strict)
-            self._version += 1
+            self._version = self._version + 1 if update.version is None else update.version
             _resolve(update.loop, update.future, self._version)
         except Exception as err:
             _resolve(update.loop, update.future, err)

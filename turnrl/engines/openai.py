@@ -27,18 +27,29 @@ dialects of the same endpoint:
 stopped on eos, every dialect above returns the eos id with its logprob (checked for
 llama-server in the tests); if the last token is not a known stop id,
 ``info["stop_token_missing"]`` is set so a caller can see the gap.
+
+Partial rollout: completions are not streamed, so :meth:`OpenAIEngine.abort_all` cancels
+the HTTP requests in flight (closing their connections, which the servers take as an
+abort) and each of those ``generate`` calls returns ``Generation([], [], "abort")``: no
+partial tokens come back, so on resume the turn is sampled again from its start. Weight
+updates (:meth:`OpenAIEngine.update_weights`) exist for the ``sglang`` dialect only
+(``/update_weights_from_disk``, a checkpoint path on the server's disk); vLLM's and
+llama-server's OpenAI servers have no such endpoint.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import httpx
 
-from turnrl.engines.base import Generation, SamplingParams
+from turnrl.engines.base import EngineError, Generation, SamplingParams
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present, require
+from turnrl.engines.sglang import checkpoint_path, post_update_weights_from_disk
+from turnrl.engines.weights import Weights
 
 Dialect = Literal["vllm", "sglang", "llamacpp"]
 DIALECTS: tuple[Dialect, ...] = ("vllm", "sglang", "llamacpp")
@@ -168,6 +179,14 @@ class OpenAIEngine:
         self.dialect: Dialect = dialect
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._extra = dict(extra_body or {})
+        self._in_flight: set[asyncio.Task[Any]] = set()
+        self._aborted: set[asyncio.Task[Any]] = set()
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the last weight update made through this engine (0 before any)."""
+        return self._version
 
     @property
     def base_url(self) -> str:
@@ -190,7 +209,17 @@ class OpenAIEngine:
         if not prompt_ids:
             raise RequestError("empty prompt")
         body = completion_payload(self.dialect, prompt_ids, sampling, self.model) | self._extra
-        answer = await self._client.post("/v1/completions", body)
+        request = asyncio.ensure_future(self._client.post("/v1/completions", body))
+        self._in_flight.add(request)
+        try:
+            answer = await request
+        except asyncio.CancelledError:
+            if request not in self._aborted:
+                raise  # the caller was cancelled
+            return Generation([], [], "abort", {"server": self.base_url})
+        finally:
+            self._in_flight.discard(request)
+            self._aborted.discard(request)
         try:
             return self._generation(answer, sampling)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
@@ -227,6 +256,36 @@ class OpenAIEngine:
         if self.dialect == "llamacpp" and _llamacpp_post_sampling(sampling) and filtered:
             info["logprobs_after_filter"] = True
         return info
+
+    async def abort_all(self) -> None:
+        """Cancel every request in flight; each generate() returns ``Generation([], [], "abort")``.
+
+        The answers are not streamed, so the tokens sampled so far are lost: on resume the
+        turn is sampled again from its start. Returns once the cancelled requests are gone.
+        """
+        requests = [r for r in self._in_flight if not r.done()]
+        for request in requests:
+            self._aborted.add(request)
+            request.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
+
+    async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
+        """Have an SGLang server load the checkpoint folder ``weights`` (a path on its disk).
+
+        Only the ``sglang`` dialect has a weight-update endpoint (``/update_weights_from_disk``);
+        the new version (``version``, else the previous one plus one) is sent as its
+        ``weight_version`` and returned. Other dialects, and a state dict, raise EngineError.
+        """
+        if self.dialect != "sglang":
+            raise EngineError(
+                f"the {self.dialect} server at {self.base_url} has no weight-update endpoint: restart "
+                "(or reload) it on the new checkpoint, or serve the model with SGLang"
+            )
+        path = checkpoint_path(weights, "OpenAIEngine")
+        new = self._version + 1 if version is None else version
+        await post_update_weights_from_disk(self._client, path, weight_version=str(new))
+        self._version = new
+        return new
 
     async def close(self) -> None:
         """Close the connection pool."""

@@ -7,6 +7,12 @@ URLs, passed through as given). Answer: ``meta_info.output_token_logprobs`` hold
 ``[logprob, token_id, text]`` per sampled token and ``meta_info.finish_reason`` is
 ``{"type": "stop" | "length" | "abort", ...}``; SGLang includes the matched stop token.
 
+Partial rollout: :meth:`SGLangEngine.abort_all` posts ``/abort_request`` with
+``{"abort_all": true}``; every ``/generate`` in flight then returns with finish type
+"abort" and the tokens (and logprobs) sampled so far, which ``generate`` keeps.
+:meth:`SGLangEngine.update_weights` takes a checkpoint folder on the server's disk and posts
+``/update_weights_from_disk`` (``model_path``, ``weight_version``).
+
 Which distribution SGLang's logprobs are under depends on the server (by default they are
 taken after temperature scaling; see SGLang's docs on ``return_logprob``); this engine
 passes them through unchanged.
@@ -14,14 +20,16 @@ passes them through unchanged.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import httpx
 
-from turnrl.engines.base import Generation, SamplingParams
+from turnrl.engines.base import EngineError, Generation, SamplingParams
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present, require
+from turnrl.engines.weights import Weights
 
 
 def sampling_params(sampling: SamplingParams) -> dict[str, Any]:
@@ -65,17 +73,48 @@ def parse_generate(answer: Any) -> tuple[list[int], list[float], str | None, dic
         isinstance(answer, dict) and isinstance(answer.get("meta_info"), dict), "no meta_info in the answer"
     )
     meta: dict[str, Any] = answer["meta_info"]
-    triples = present(
-        meta.get("output_token_logprobs"), "no meta_info.output_token_logprobs (was return_logprob ignored?)"
-    )
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    triples = meta.get("output_token_logprobs")
+    if triples is None and kind == "abort":
+        triples = []  # aborted before its first token
+    triples = present(triples, "no meta_info.output_token_logprobs (was return_logprob ignored?)")
     ids = [int(t[1]) for t in triples]
     logprobs = [float(t[0]) for t in triples]
     output_ids = answer.get("output_ids")
     if output_ids is not None:
         require([int(t) for t in output_ids] == ids, "output_ids and output_token_logprobs disagree")
-    reason = meta.get("finish_reason")
-    kind = reason.get("type") if isinstance(reason, dict) else reason
     return ids, logprobs, kind, meta
+
+
+async def post_update_weights_from_disk(
+    client: JsonClient,
+    model_path: str,
+    *,
+    load_format: str | None = None,
+    weight_version: str | None = None,
+) -> dict[str, Any]:
+    """POST SGLang's ``/update_weights_from_disk``; the server's answer, or RequestError on failure."""
+    body: dict[str, Any] = {"model_path": model_path}
+    if load_format is not None:
+        body["load_format"] = load_format
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    answer = await client.post("/update_weights_from_disk", body)
+    if not isinstance(answer, dict) or not answer.get("success", False):
+        message = answer.get("message") if isinstance(answer, dict) else answer
+        raise RequestError(f"{client.base_url}: update_weights_from_disk failed: {message}")
+    return answer
+
+
+def checkpoint_path(weights: Weights, engine: str) -> str:
+    """The checkpoint path a server engine loads, or EngineError for an in-memory state dict."""
+    if not isinstance(weights, str | os.PathLike):
+        raise EngineError(
+            f"{engine} updates weights from a checkpoint path on the server's disk, not a state dict: "
+            "save the weights (save_pretrained) where the server can read them and pass that path"
+        )
+    return os.fspath(weights)
 
 
 class SGLangEngine:
@@ -101,6 +140,12 @@ class SGLangEngine:
         )
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._extra = dict(extra_sampling_params or {})
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the last weight update made through this engine (0 before any)."""
+        return self._version
 
     @property
     def base_url(self) -> str:
@@ -137,20 +182,30 @@ class SGLangEngine:
         """Abort a running request (its generate() returns with finish_reason "abort")."""
         await self._client.post("/abort_request", {"rid": rid})
 
+    async def abort_all(self) -> None:
+        """Abort every request on the server; each generate() in flight returns with
+        finish_reason "abort" and the tokens sampled so far."""
+        await self._client.post("/abort_request", {"abort_all": True})
+
+    async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
+        """Have the server load the checkpoint folder ``weights`` (a path on its disk).
+
+        The new version (``version``, else the previous one plus one) is sent as SGLang's
+        ``weight_version`` and returned. A state dict is refused with EngineError.
+        """
+        path = checkpoint_path(weights, "SGLangEngine")
+        new = self._version + 1 if version is None else version
+        await post_update_weights_from_disk(self._client, path, weight_version=str(new))
+        self._version = new
+        return new
+
     async def update_weights_from_disk(
         self, model_path: str, *, load_format: str | None = None, weight_version: str | None = None
     ) -> dict[str, Any]:
         """Load new weights from ``model_path`` on the server's disk; the server's answer."""
-        body: dict[str, Any] = {"model_path": model_path}
-        if load_format is not None:
-            body["load_format"] = load_format
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        answer = await self._client.post("/update_weights_from_disk", body)
-        if not isinstance(answer, dict) or not answer.get("success", False):
-            message = answer.get("message") if isinstance(answer, dict) else answer
-            raise RequestError(f"{self.base_url}: update_weights_from_disk failed: {message}")
-        return answer
+        return await post_update_weights_from_disk(
+            self._client, model_path, load_format=load_format, weight_version=weight_version
+        )
 
     async def close(self) -> None:
         """Close the connection pool."""
