@@ -119,3 +119,28 @@ def test_server_engine_needs_urls(tmp_path: Path) -> None:
     config = write_config(tmp_path, "tiny-qwen3", {"engine": {"kind": "openai", "dialect": "llamacpp"}})
     result = turnrl("rollout", str(config), cwd=tmp_path)
     assert result.returncode == 2 and "engine.kind 'openai' needs engine.urls" in result.stderr
+
+
+def test_train_runs_a_step_and_resumes(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    config = {
+        "model": str(tiny_qwen3_dir),
+        "env": {"name": "turnrl.testing:EchoEnv", "kwargs": {"done_after": 1}},
+        "data": {"kwargs": {"size": 2}},
+        "sampling": {"max_tokens": 6},
+        "limits": {"max_turns": 1, "max_context_tokens": 256},
+        "train": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "plot": False, "save_every": 1},
+        "output_dir": str(tmp_path / "train"),
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = turnrl("train", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "train" / "metrics.jsonl").exists()
+    again = turnrl("train", str(path), "--resume", "--set", "train.steps=2", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps[-1] == 2 and steps.count(1) == 1  # resumed after step 1, did not redo it
+    bad = turnrl("train", str(path), "--set", "optim.lrr=1", cwd=tmp_path)
+    assert bad.returncode == 2 and "unknown config key 'optim.lrr'" in bad.stderr

@@ -405,14 +405,24 @@ async def test_textarena_trajectory_appends_only_new_observations(qwen3_encoder:
 
 # --- examples -------------------------------------------------------------------------------------
 
-EXAMPLE_CONFIGS = sorted(EXAMPLES.glob("*.yaml"))
+EXAMPLE_CONFIGS = sorted(p for p in EXAMPLES.glob("*.yaml") if not p.stem.startswith("train_"))
+TRAIN_CONFIGS = sorted(EXAMPLES.glob("train_*.yaml"))
 
 
 def test_every_example_is_listed() -> None:
     names = {p.stem for p in EXAMPLE_CONFIGS}
     assert {"math_tools", "guess_number", "textarena_mastermind", "swift_scheduler", "tool_config"} <= names
     readme = (EXAMPLES / "README.md").read_text()
-    assert all(f"examples/{p.name}" in readme for p in EXAMPLE_CONFIGS)
+    assert all(f"examples/{p.name}" in readme for p in EXAMPLE_CONFIGS + TRAIN_CONFIGS)
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.stem)
+def test_train_example_config_loads(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from turnrl.train.config import load_train_config
+
+    monkeypatch.chdir(REPO)
+    config = load_train_config(path)
+    resolve_env(config.env.name)
 
 
 @pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: p.stem)

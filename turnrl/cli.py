@@ -25,6 +25,16 @@ def _rollout(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.train import load_train_config, train
+
+    config = load_train_config(args.config, args.set)
+    final = train(config, overwrite=args.overwrite, resume=args.resume, console=console)
+    console.print(json.dumps(final, indent=2, default=str))
+    console.print(f"wrote {config.output_dir} (metrics.jsonl, checkpoints)")
+    return 0
+
+
 def _check_template(args: argparse.Namespace, console: Console) -> int:
     from turnrl.chat.report import check_template
 
@@ -62,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--overwrite", action="store_true", help="replace an existing trajectories.jsonl")
     roll.add_argument("--resume", action="store_true", help="skip (prompt, sample) pairs already on disk")
     roll.set_defaults(func=_rollout)
+    tr = sub.add_parser("train", help="GRPO on multi-turn trajectories with the embedded engine")
+    tr.add_argument("config", help="YAML train config")
+    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    tr.add_argument("--overwrite", action="store_true", help="replace an existing run in output_dir")
+    tr.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    tr.set_defaults(func=_train)
     chk = sub.add_parser("check-template", help="is this model's chat template safe for delta encoding?")
     chk.add_argument("model", help="HF id, local folder, or a shipped name (tiny-qwen3, smollm2-135m)")
     chk.add_argument("--tools", help="tool config YAML to put in the system prompt")

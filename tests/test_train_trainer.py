@@ -1,0 +1,168 @@
+"""The training loop on the tiny Qwen3: a step moves the policy and the engine; a resume continues exactly."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+from turnrl.config import ConfigError
+from turnrl.engines.base import SamplingParams
+from turnrl.env import Env, StepResult, register_env
+from turnrl.train.batch import step_prompts
+from turnrl.train.config import TrainConfig, load_train_config
+from turnrl.train.metrics import read_metrics
+from turnrl.train.trainer import build_run, train, train_step
+from turnrl.types import Sample, Trajectory
+
+QUIET = Console(file=io.StringIO())
+
+
+class ParityEnv(Env):
+    """One turn; reward 1 when the model's text has an even length (a coin flip for a random model)."""
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(None, done=True)
+
+    async def score(self, trajectory: Trajectory) -> float:
+        return float(len(trajectory.turns[0].text) % 2 == 0)
+
+    @staticmethod
+    def dataset(size: int = 8) -> list[dict[str, Any]]:
+        return [{"id": f"p{i}", "prompt": f"Say something, number {i}."} for i in range(size)]
+
+
+register_env("test_parity", ParityEnv, ParityEnv.dataset)
+
+
+def config(tmp_path: Path, model: Path, **train: Any) -> TrainConfig:
+    return TrainConfig.model_validate(
+        {
+            "model": str(model),
+            "env": {"name": "test_parity"},
+            "sampling": {"temperature": 1.0, "max_tokens": 6},
+            "limits": {"max_turns": 1, "max_context_tokens": 128},
+            "optim": {"lr": 1e-3},
+            "train": {"steps": 2, "prompts_per_step": 2, "group_size": 4, "plot": False, **train},
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+
+
+async def test_a_step_changes_the_policy_and_the_engine(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    run = build_run(config(tmp_path, tiny_qwen3_dir), overwrite=False, resume=False, console=QUIET)
+    try:
+        before = {k: v.clone() for k, v in run.policy.state_dict().items()}
+        prompt = run.spec.encoder.conversation().encode_prompt([{"role": "user", "content": "Hello there."}])
+        greedy = SamplingParams(temperature=0.0, max_tokens=8)
+        gen_before = await run.engine.generate(prompt, greedy)
+        metrics = await train_step(run, 1)
+        gen_after = await run.engine.generate(prompt, greedy)
+    finally:
+        await run.engine.close()
+    after = run.policy.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    engine_weights = run.engine.model.state_dict()
+    assert all(torch.equal(engine_weights[k], after[k]) for k in after)  # pushed, not reloaded
+    assert run.engine.weight_version == 1
+    assert gen_after.logprobs != gen_before.logprobs
+    assert metrics["reward/std"] > 0.0 and 0 < metrics["train/samples"] <= 8  # zero-advantage ones skipped
+    # the engine sampled with the weights the trainer scored: the rollout ratio is 1 up to rounding
+    assert metrics["is/ratio_min"] > 0.99 and metrics["is/ratio_max"] < 1.01
+    for key in (
+        "grad_norm",
+        "time/rollout",
+        "time/train",
+        "tokens/model_mean",
+        "truncated/ratio",
+        "stop/length",
+    ):
+        assert key in metrics
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model" / "model.safetensors"))
+
+
+def rollout_tokens(path: Path) -> list[tuple[str, list[int]]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted((r["id"], r["response_ids"]) for r in rows)
+
+
+def test_resume_continues_where_the_run_stopped(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    cfg = config(tmp_path, tiny_qwen3_dir, save_every=1, save_rollouts=True)
+    out = Path(cfg.output_dir)
+    train(cfg, console=QUIET)
+    straight = weights(out / "checkpoints" / "step_000002")
+    straight_rollouts = rollout_tokens(out / "rollouts" / "step_000002.jsonl")
+    shutil.rmtree(out / "checkpoints" / "step_000002")  # as if killed before step 2 was saved
+    with pytest.raises(ValueError, match="already holds a training run"):
+        train(cfg, console=QUIET)
+    train(cfg, resume=True, console=QUIET)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+    assert rollout_tokens(out / "rollouts" / "step_000002.jsonl") == straight_rollouts  # the same batch
+    resumed = weights(out / "checkpoints" / "step_000002")
+    for name, value in straight.items():  # same weights, so the optimizer state came back too
+        torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=1e-4)  # a fresh Adam: ~1e-3 off
+    state = torch.load(out / "checkpoints" / "step_000002" / "optimizer.pt", weights_only=False)
+    assert {s["step"].item() for s in state["optimizer"]["state"].values()} == {2.0}
+
+
+def test_step_prompts_are_a_function_of_seed_and_step() -> None:
+    samples = [Sample(f"s{i}", [{"role": "user", "content": "x"}]) for i in range(5)]
+    epoch = [step_prompts(samples, 2, k, seed=0) for k in range(2)]
+    ids = [s.id for batch in epoch for s in batch]
+    assert len(set(ids)) == 4  # no prompt twice in an epoch; the fifth is the epoch's leftover
+    assert [s.id for s in step_prompts(samples, 2, 1, seed=0)] == ids[2:]
+    firsts = {tuple(s.id for s in step_prompts(samples, 2, 2 * e, seed=0)) for e in range(6)}
+    assert len(firsts) > 1  # each epoch is reshuffled
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        step_prompts(samples, 6, 0, seed=0)
+
+
+def test_config_is_strict(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("model: tiny-qwen3\nenv: {name: guess_number}\nalgorithm: {loss: nope}\n")
+    with pytest.raises(ConfigError, match="unknown loss 'nope'"):
+        load_train_config(path)
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.stepz'"):
+        load_train_config(path, ["algorithm.loss=ppo", "train.stepz=3"])
+    cfg = load_train_config(path, ["algorithm.loss=cispo", "algorithm.samples=turn"])
+    assert cfg.algorithm.loss_options().clip_low == 0.2 and cfg.algorithm.samples == "turn"
+
+
+def test_warm_start_runs_once_and_is_checkpointed(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    cfg = TrainConfig.model_validate(
+        {
+            "model": str(tiny_qwen3_dir),
+            "env": {"name": "turnrl.envs.key_lookup:KeyLookupEnv"},
+            "data": {"kwargs": {"size": 4}},
+            "sampling": {"max_tokens": 32},
+            "limits": {"max_turns": 2, "max_context_tokens": 1024},
+            "train": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "plot": False},
+            "warm_start": {
+                "demos": "turnrl.envs.key_lookup:demonstration",
+                "data": {"kwargs": {"size": 4, "seed": 2}},
+                "lr": 1e-3,
+            },
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    out = Path(cfg.output_dir)
+    train(cfg, console=QUIET)
+    assert (out / "checkpoints" / "step_000000" / "model" / "model.safetensors").is_file()
+    (start,) = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == 0]
+    assert start["warm_start/demos"] == 4 and start["warm_start/demo_turns"] == 2
+    train(
+        cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 2})}),
+        resume=True,
+        console=QUIET,
+    )
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]  # no second warm start

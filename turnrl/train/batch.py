@@ -1,0 +1,183 @@
+"""Trajectories into padded training tensors, one sample per trajectory or one per model turn.
+
+- ``trajectory`` mode: a trajectory is one sample, ``prompt_ids + response_ids``; its model
+  tokens are trained on (``loss_mask``), env tokens are context.
+- ``turn`` mode (step-wise, ms-swift's ``ThinkingModelTipsScheduler`` style): every model turn
+  is its own sample. Its context is exactly what the engine conditioned on when it sampled the
+  turn (``prompt_ids + response_ids[:turn.start]``), its trained tokens are that turn's, and its
+  advantage is the turn's (with ``grpo``, the trajectory's). Use it where each round should be
+  its own sequence, as ms-swift does for templates that drop history; turnrl never re-renders,
+  so the context is the exact token prefix the engine saw.
+
+With a token-mean loss the two modes give the same loss and gradient: the same tokens, the same
+contexts; ``turn`` mode only recomputes shared prefixes. ``collate`` pads samples into tensors,
+``micro_batches`` groups them under a token budget, ``step_prompts`` picks each step's prompts.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from turnrl.train.advantages import TurnAdvantages
+from turnrl.types import Sample, Trajectory
+
+
+@dataclass
+class TrainSample:
+    """One sequence to train on; every list has one entry per token of ``input_ids``."""
+
+    input_ids: list[int]
+    loss_mask: list[int]  # 1: trained on (sampled by the model); 0: context
+    rollout_logprobs: list[float]  # the engine's logprob of each token (0.0 where mask is 0)
+    advantages: list[float]  # the advantage of each token (0.0 where mask is 0)
+    trajectory_id: str = ""  # the trajectory it comes from
+    turn: int | None = None  # the model turn, in ``turn`` mode
+
+
+def _token_advantages(traj: Trajectory, turn_advantages: list[float]) -> list[float]:
+    """Per response token: the advantage of the model turn it belongs to (0.0 elsewhere)."""
+    out = [0.0] * len(traj.response_ids)
+    model_turns = [t for t in traj.turns if t.role == "assistant"]
+    for turn, advantage in zip(model_turns, turn_advantages, strict=True):
+        out[turn.start : turn.end] = [advantage * m for m in traj.loss_mask[turn.start : turn.end]]
+    return out
+
+
+def _trainable(traj: Trajectory) -> bool:
+    return bool(traj.prompt_ids) and any(traj.loss_mask)
+
+
+def trajectory_samples(trajs: Sequence[Trajectory], advantages: TurnAdvantages) -> list[TrainSample]:
+    """One sample per trajectory with at least one model token."""
+    out = []
+    for traj, adv in zip(trajs, advantages, strict=True):
+        if not _trainable(traj):
+            continue
+        context = len(traj.prompt_ids)
+        out.append(
+            TrainSample(
+                input_ids=traj.prompt_ids + traj.response_ids,
+                loss_mask=[0] * context + traj.loss_mask,
+                rollout_logprobs=[0.0] * context + traj.rollout_logprobs,
+                advantages=[0.0] * context + _token_advantages(traj, adv),
+                trajectory_id=traj.id,
+            )
+        )
+    return out
+
+
+def turn_samples(trajs: Sequence[Trajectory], advantages: TurnAdvantages) -> list[TrainSample]:
+    """One sample per model turn with at least one model token: its exact context, then its tokens."""
+    out = []
+    for traj, adv in zip(trajs, advantages, strict=True):
+        if not _trainable(traj):
+            continue
+        per_token = _token_advantages(traj, adv)
+        model_turns = [t for t in traj.turns if t.role == "assistant"]
+        for k, turn in enumerate(model_turns):
+            span = slice(turn.start, turn.end)
+            if not any(traj.loss_mask[span]):
+                continue
+            context = len(traj.prompt_ids) + turn.start
+            out.append(
+                TrainSample(
+                    input_ids=traj.prompt_ids + traj.response_ids[: turn.end],
+                    loss_mask=[0] * context + traj.loss_mask[span],
+                    rollout_logprobs=[0.0] * context + traj.rollout_logprobs[span],
+                    advantages=[0.0] * context + per_token[span],
+                    trajectory_id=traj.id,
+                    turn=k,
+                )
+            )
+    return out
+
+
+SampleBuilder = Callable[[Sequence[Trajectory], TurnAdvantages], list[TrainSample]]
+SAMPLE_BUILDERS: dict[str, SampleBuilder] = {"trajectory": trajectory_samples, "turn": turn_samples}
+
+
+def build_samples(mode: str, trajs: Sequence[Trajectory], advantages: TurnAdvantages) -> list[TrainSample]:
+    """The training samples of ``trajs`` in ``mode`` (``trajectory`` or ``turn``)."""
+    if mode not in SAMPLE_BUILDERS:
+        raise ValueError(f"unknown sample mode {mode!r} (known: {', '.join(sorted(SAMPLE_BUILDERS))})")
+    return SAMPLE_BUILDERS[mode](trajs, advantages)
+
+
+@dataclass
+class Batch:
+    """Right-padded ``[B, T]`` tensors of a list of samples."""
+
+    input_ids_B_T: torch.Tensor  # long; padding is pad_id
+    attention_mask_B_T: torch.Tensor  # long; 0 on padding
+    loss_mask_B_T: torch.Tensor  # float; 0 on context and padding
+    rollout_logprobs_B_T: torch.Tensor  # float
+    advantages_B_T: torch.Tensor  # float
+    old_logprobs_B_T: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # filled by the trainer
+    ref_logprobs_B_T: torch.Tensor | None = None  # filled by the trainer when a KL term is on
+
+    @property
+    def num_tokens(self) -> int:
+        """Loss tokens in the batch."""
+        return int(self.loss_mask_B_T.sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch on ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
+
+
+def _pad(
+    rows: list[list[float]] | list[list[int]], width: int, value: float, dtype: torch.dtype
+) -> torch.Tensor:
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+
+def collate(samples: Sequence[TrainSample], pad_id: int) -> Batch:
+    """Right-pad ``samples`` to their longest; old logprobs start as the rollout's."""
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    width = max(len(s.input_ids) for s in samples)
+    rollout = _pad([s.rollout_logprobs for s in samples], width, 0.0, torch.float32)
+    return Batch(
+        input_ids_B_T=_pad([s.input_ids for s in samples], width, pad_id, torch.long),
+        attention_mask_B_T=_pad([[1] * len(s.input_ids) for s in samples], width, 0, torch.long),
+        loss_mask_B_T=_pad([s.loss_mask for s in samples], width, 0, torch.float32),
+        rollout_logprobs_B_T=rollout,
+        advantages_B_T=_pad([s.advantages for s in samples], width, 0.0, torch.float32),
+        old_logprobs_B_T=rollout.clone(),
+    )
+
+
+def micro_batches(samples: Sequence[TrainSample], max_tokens: int) -> list[list[TrainSample]]:
+    """Split samples, longest first, into groups whose padded size (rows x longest) fits ``max_tokens``.
+
+    A sample longer than ``max_tokens`` gets a group of its own.
+    """
+    ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
+    out: list[list[TrainSample]] = []
+    for sample in ordered:
+        if out and len(out[-1][0].input_ids) * (len(out[-1]) + 1) <= max_tokens:
+            out[-1].append(sample)
+        else:
+            out.append([sample])
+    return out
+
+
+def step_prompts(samples: list[Sample], per_step: int, step: int, seed: int) -> list[Sample]:
+    """The prompts of ``step``: its slice of its epoch's shuffle (an epoch's leftovers are skipped)."""
+    if per_step > len(samples):
+        raise ValueError(f"train.prompts_per_step is {per_step} but the data has only {len(samples)} prompts")
+    epoch, slot = divmod(step, len(samples) // per_step)
+    order = list(range(len(samples)))
+    random.Random(f"{seed}/{epoch}").shuffle(order)
+    return [samples[i] for i in order[slot * per_step : (slot + 1) * per_step]]
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The base sampling seed of a step's rollout."""
+    return zlib.crc32(f"{seed}/step/{step}".encode())

@@ -1,0 +1,133 @@
+"""Checkpoints: the model as a loadable Hugging Face folder, the optimizer, the step and the RNG states.
+
+``OUT/checkpoints/step_000010/`` holds ``model/`` (``save_pretrained``, tokenizer included, so
+``turnrl rollout`` can use it as ``model:``), ``optimizer.pt`` (optimizer and scheduler state),
+``rng.pt`` (torch and Python RNG states) and ``state.json`` (the step). A checkpoint is written to
+a temporary folder and renamed into place, so a crash never leaves half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from turnrl.train.config import TrainConfig
+
+CHECKPOINTS = "checkpoints"
+RESUME_KEYS = ("model", "env", "data", "chat", "sampling", "limits", "rewards", "algorithm", "optim")
+
+
+@dataclass
+class Resumed:
+    """What a checkpoint restores besides the model weights."""
+
+    step: int  # training steps already done
+    model_dir: Path  # the saved model folder
+
+
+def checkpoint_dirs(out_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = out_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if (p / "state.json").is_file())
+
+
+def save_checkpoint(
+    out_dir: Path,
+    step: int,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    keep: int,
+) -> Path:
+    """Write the checkpoint of ``step`` atomically; keep only the newest ``keep``."""
+    final = out_dir / CHECKPOINTS / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp / "model")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / "model")
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt"
+    )
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in checkpoint_dirs(out_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def restore_training_state(
+    path: Path, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+) -> int:
+    """Load the optimizer, scheduler and RNG states of a checkpoint; return its step."""
+    states = torch.load(path / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(states["optimizer"])
+    scheduler.load_state_dict(states["scheduler"])
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    return int(json.loads((path / "state.json").read_text())["step"])
+
+
+def latest(out_dir: Path) -> Resumed | None:
+    """The newest complete checkpoint in ``out_dir``, if any."""
+    dirs = checkpoint_dirs(out_dir)
+    if not dirs:
+        return None
+    step = int(json.loads((dirs[-1] / "state.json").read_text())["step"])
+    return Resumed(step, dirs[-1] / "model")
+
+
+def check_resumable(config: TrainConfig, out_dir: Path) -> None:
+    """A resume must continue the same run; name the first section that differs."""
+    saved_path = out_dir / "config.yaml"
+    if not saved_path.exists():
+        raise ValueError(f"cannot resume: {saved_path} is missing")
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    current = config.model_dump(mode="json")
+    for key in RESUME_KEYS:
+        if saved.get(key) != current.get(key):
+            raise ValueError(f"cannot resume: config key {key!r} differs from the run in {out_dir}")
+    if saved.get("train", {}).get("seed") != config.train.seed:
+        raise ValueError(f"cannot resume: config key 'train.seed' differs from the run in {out_dir}")
+
+
+OUTPUTS = ("config.yaml", "metrics.jsonl", "rewards.png", CHECKPOINTS, "eval", "rollouts", "tensorboard")
+
+
+def start_output(config: TrainConfig, overwrite: bool, resume: bool) -> Resumed | None:
+    """Check and prepare the output folder; the checkpoint to resume from, if any.
+
+    ``--overwrite`` removes only what a training run writes (``OUTPUTS``), never the folder.
+    """
+    out = Path(config.output_dir)
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    if resume and (out / "config.yaml").exists():
+        check_resumable(config, out)
+        return latest(out)
+    if not resume and any((out / name).exists() for name in OUTPUTS):
+        if not overwrite:
+            raise ValueError(
+                f"{out} already holds a training run (pass --resume, --overwrite or set output_dir)"
+            )
+        for name in OUTPUTS:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return None

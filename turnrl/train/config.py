@@ -1,0 +1,160 @@
+"""Typed ``turnrl train`` configuration: the rollout sections of ``turnrl.config`` plus the learning ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from turnrl.config import (
+    ChatConfig,
+    ConfigError,
+    DataConfig,
+    EngineConfig,
+    EnvConfig,
+    LimitsConfig,
+    SamplingConfig,
+    _first_error,
+    _Strict,
+    apply_overrides,
+)
+from turnrl.train.advantages import ESTIMATORS, AdvantageOptions
+from turnrl.train.loss import POLICY_LOSSES, LossOptions
+
+Tracker = Literal["none", "tensorboard", "wandb", "trackio", "mlflow"]
+
+
+class AlgorithmConfig(_Strict):
+    """What is learned from a batch: advantages, samples, loss."""
+
+    advantage: str = "grpo"  # a name in turnrl.train.advantages.ESTIMATORS: grpo, rloo, reward_to_go
+    normalize_std: bool = True  # grpo / reward_to_go: divide by the group's std
+    gamma: float = Field(1.0, ge=0, le=1)  # reward_to_go: discount over later turns
+    samples: Literal["trajectory", "turn"] = "trajectory"  # turn: one sample per model turn (step-wise)
+    loss: str = "ppo"  # a name in turnrl.train.loss.POLICY_LOSSES: ppo, pg, cispo
+    clip_low: float = Field(0.2, ge=0, le=1)
+    clip_high: float = Field(0.2, ge=0)
+    importance: Literal["none", "tis", "mis"] = "tis"  # rollout correction against the engine's logprobs
+    tis_cap: float = Field(2.0, gt=0)
+    mis_low: float = Field(0.5, ge=0)
+    mis_high: float = Field(2.0, gt=0)
+    kl_coef: float = Field(0.0, ge=0)  # > 0 loads a frozen reference model
+    recompute_old_logprobs: bool = True  # else the rollout's logprobs are the PPO behaviour policy
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, name: str) -> str:
+        if name not in ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {name!r} (known: {', '.join(sorted(ESTIMATORS))})")
+        return name
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        if name not in POLICY_LOSSES:
+            raise ValueError(f"unknown loss {name!r} (known: {', '.join(sorted(POLICY_LOSSES))})")
+        return name
+
+    def advantage_options(self) -> AdvantageOptions:
+        """The estimators' options."""
+        return AdvantageOptions(normalize_std=self.normalize_std, gamma=self.gamma)
+
+    def loss_options(self) -> LossOptions:
+        """The loss's options."""
+        return LossOptions(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            importance=self.importance,
+            tis_cap=self.tis_cap,
+            mis_low=self.mis_low,
+            mis_high=self.mis_high,
+            kl_coef=self.kl_coef,
+        )
+
+
+class OptimConfig(_Strict):
+    """AdamW with linear warm-up, then a constant rate."""
+
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)  # max global grad norm
+    warmup_steps: int = Field(0, ge=0)  # optimizer steps
+    trainable: list[str] = Field(default_factory=list)  # regexes of parameter names to train (empty: all)
+
+
+class TrainLoopConfig(_Strict):
+    """How long, how much per step, and what to write."""
+
+    steps: int = Field(10, ge=1)  # training steps (one rollout batch each)
+    prompts_per_step: int = Field(8, ge=1)  # groups per step
+    group_size: int = Field(4, ge=1)  # trajectories per prompt
+    concurrency: int = Field(32, ge=1)  # trajectories in flight
+    ppo_epochs: int = Field(1, ge=1)  # passes over each batch
+    mini_batches: int = Field(1, ge=1)  # optimizer steps per pass (at most one per micro-batch)
+    micro_batch_tokens: int = Field(4096, ge=1)  # padded tokens per forward/backward
+    logprob_chunk: int = Field(256, ge=1)  # positions projected through lm_head at a time
+    seed: int = 0  # model init order, prompt order and sampling seeds
+    save_every: int = Field(10, ge=0)  # steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = Field(2, ge=1)
+    save_rollouts: bool = False  # write every step's trajectories to rollouts/step_K.jsonl
+    tracker: Tracker = "none"  # also log to this tracker (it must be installed)
+    plot: bool = True  # reward curve PNG at the end (needs matplotlib)
+
+
+class EvalConfig(_Strict):
+    """Held-out evaluation: a fixed prompt set, at the start, every ``every`` steps, and at the end."""
+
+    data: DataConfig | None = None  # None: no evaluation
+    every: int = Field(5, ge=0)  # 0: only at the start and the end
+    n: int = Field(1, ge=1)  # trajectories per prompt
+    temperature: float = Field(0.0, ge=0)  # 0: greedy
+    seed: int = 1234
+
+
+class WarmStartConfig(_Strict):
+    """Optional supervised warm-start before RL: demonstrations replayed through the env (see ``sft``)."""
+
+    demos: str  # "module:function": sample -> the assistant texts of a demonstrated episode
+    data: DataConfig = Field(default_factory=DataConfig)  # the demonstrated prompts
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(8, ge=1)
+    lr: float = Field(1e-5, gt=0)
+
+
+class TrainConfig(_Strict):
+    """A whole ``turnrl train`` run."""
+
+    model: str  # HF id, local folder, or a shipped name: tiny-qwen3, smollm2-135m
+    env: EnvConfig
+    data: DataConfig = Field(default_factory=DataConfig)  # training prompts
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    chat: ChatConfig = Field(default_factory=ChatConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    rewards: dict[str, str] = Field(default_factory=dict)  # data_source -> "module:function"
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    warm_start: WarmStartConfig | None = None
+    output_dir: str = "runs/train"
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML train config, apply ``--set`` overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top")
+    try:
+        return TrainConfig.model_validate(apply_overrides(data, overrides or []))
+    except ValidationError as exc:
+        raise ConfigError(_first_error(exc)) from None

@@ -1,0 +1,104 @@
+"""Log-probabilities of given tokens, without materializing ``[B, T, V]`` logits.
+
+The model body runs once and gives hidden states ``[B, T, H]``. Only the positions asked for
+are kept (``[N, H]``), then projected through ``lm_head`` chunk by chunk; each chunk runs under
+activation checkpointing, so neither the forward nor the backward pass holds more than one
+chunk's ``[chunk, V]`` logits at a time (the backward pass recomputes them). With a 152k
+vocabulary that is the difference between gigabytes and megabytes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _chunk_logprobs(
+    hidden_N_H: torch.Tensor,
+    weight_V_H: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    targets_N: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """``log_softmax(hidden @ W.T / T)[target]`` for one chunk, in float32 (or float64)."""
+    logits_N_V = _at_least_float32(F.linear(hidden_N_H, weight_V_H, bias_V))
+    if temperature != 1.0:
+        logits_N_V = logits_N_V / temperature
+    picked_N = logits_N_V.gather(-1, targets_N[:, None]).squeeze(-1)
+    return picked_N - torch.logsumexp(logits_N_V, -1)
+
+
+def _check_plain_head(model: PreTrainedModel) -> None:
+    """Refuse models that transform their logits after ``lm_head`` (the chunks would miss it)."""
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_scaling", 1.0) != 1.0:
+        raise ValueError(f"{type(model).__name__} rescales its logits; chunked logprobs do not support it")
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    input_ids_B_T: torch.Tensor,
+    attention_mask_B_T: torch.Tensor | None = None,
+    positions_B_T: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """``logprobs_B_T[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``.
+
+    Only positions where ``positions_B_T`` is true are computed (default: every position from 1);
+    the others, and position 0, are exactly 0 and get no gradient. ``chunk_size`` is the number
+    of positions projected through ``lm_head`` at a time.
+    """
+    _check_plain_head(model)
+    batch, length = input_ids_B_T.shape
+    want_B_T = (
+        positions_B_T.bool()
+        if positions_B_T is not None
+        else torch.ones_like(input_ids_B_T, dtype=torch.bool)
+    )
+    want_B_S = want_B_T[:, 1:]  # S = T - 1: the hidden state at s predicts the token at s + 1
+    body: Any = model.get_decoder()
+    hidden_B_T_H = body(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T).last_hidden_state
+    hidden_N_H = hidden_B_T_H[:, :-1][want_B_S]
+    targets_N = input_ids_B_T[:, 1:][want_B_S]
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Linear), "chunked logprobs need a linear lm_head"
+    pieces = []
+    for start in range(0, targets_N.numel(), chunk_size):
+        end = start + chunk_size
+        args = (hidden_N_H[start:end], head.weight, head.bias, targets_N[start:end], temperature)
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    dtype = torch.promote_types(hidden_N_H.dtype, torch.float32)
+    logprobs_N = torch.cat(pieces) if pieces else hidden_N_H.new_zeros(0, dtype=dtype)
+    logprobs_B_S = torch.zeros(batch, length - 1, dtype=dtype, device=input_ids_B_T.device)
+    logprobs_B_S = logprobs_B_S.masked_scatter(want_B_S, logprobs_N)
+    return F.pad(logprobs_B_S, (1, 0))
+
+
+def naive_token_logprobs(
+    model: PreTrainedModel,
+    input_ids_B_T: torch.Tensor,
+    attention_mask_B_T: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The same as ``token_logprobs`` at every position, through full ``[B, T, V]`` logits (reference)."""
+    logits_B_T_V = model(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T).logits
+    logits_B_T_V = _at_least_float32(logits_B_T_V)
+    logprobs_B_S_V = torch.log_softmax(logits_B_T_V[:, :-1] / temperature, -1)
+    picked_B_S = logprobs_B_S_V.gather(-1, input_ids_B_T[:, 1:, None]).squeeze(-1)
+    return F.pad(picked_B_S, (1, 0))

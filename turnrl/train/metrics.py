@@ -1,0 +1,207 @@
+"""Training metrics: per-step numbers from trajectories, metrics.jsonl, a console line, trackers, a plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+
+from turnrl.types import Trajectory
+
+METRICS = "metrics.jsonl"
+
+
+def rollout_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
+    """Reward, turns, stop reasons, tools, env retries, model tokens, truncation and time sums."""
+    if not trajs:
+        return {}
+    count = len(trajs)
+    rewards = [t.reward for t in trajs]
+    stops = Counter(t.stop_reason.value for t in trajs)
+    out: dict[str, float] = {
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        "turns/mean": statistics.fmean(t.num_turns for t in trajs),
+        "tools/calls": sum(int(t.info.get("num_tool_calls", 0)) for t in trajs),
+        "tools/errors": sum(int(t.info.get("num_tool_errors", 0)) for t in trajs),
+        "env/retries": sum(int(t.metrics.get("env_retries", 0)) for t in trajs),
+        "tokens/model_mean": statistics.fmean(sum(t.loss_mask) for t in trajs),
+        "truncated/ratio": sum(t.truncated for t in trajs) / count,
+        "time/generate_sum": sum(float(t.metrics.get("time/generate", 0.0)) for t in trajs),
+        "time/env_sum": sum(float(t.metrics.get("time/env", 0.0)) for t in trajs),
+    }
+    out |= {f"stop/{reason}": n / count for reason, n in sorted(stops.items())}
+    return {prefix + k: v for k, v in out.items()}
+
+
+class Tracker(Protocol):
+    """An experiment tracker: scalars per step."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Record the step's scalars."""
+
+    def close(self) -> None:
+        """Flush and finish."""
+
+
+def _tensorboard(out_dir: Path, config: dict[str, Any]) -> Tracker:
+    from torch.utils.tensorboard import SummaryWriter
+
+    class TensorBoard:
+        def __init__(self) -> None:
+            self.writer = SummaryWriter(str(out_dir / "tensorboard"))
+
+        def log(self, metrics: dict[str, float], step: int) -> None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+
+        def close(self) -> None:
+            self.writer.close()
+
+    return TensorBoard()
+
+
+def _module_tracker(module: str) -> Callable[[Path, dict[str, Any]], Tracker]:
+    """wandb and trackio share an API: ``init(project, config)``, ``log(dict, step)``, ``finish()``."""
+
+    def build(out_dir: Path, config: dict[str, Any]) -> Tracker:
+        lib = importlib.import_module(module)
+        lib.init(project="turnrl", name=out_dir.name, config=config)
+
+        class ModuleTracker:
+            def log(self, metrics: dict[str, float], step: int) -> None:
+                lib.log(metrics, step=step)
+
+            def close(self) -> None:
+                lib.finish()
+
+        return ModuleTracker()
+
+    return build
+
+
+def _mlflow(out_dir: Path, config: dict[str, Any]) -> Tracker:
+    import mlflow
+
+    mlflow.start_run(run_name=out_dir.name)
+    mlflow.log_params({k: str(v) for k, v in config.items()})
+
+    class MLflow:
+        def log(self, metrics: dict[str, float], step: int) -> None:
+            mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items()}, step=step)
+
+        def close(self) -> None:
+            mlflow.end_run()
+
+    return MLflow()
+
+
+TRACKERS: dict[str, tuple[str, Callable[[Path, dict[str, Any]], Tracker]]] = {
+    "tensorboard": ("tensorboard", _tensorboard),
+    "wandb": ("wandb", _module_tracker("wandb")),
+    "trackio": ("trackio", _module_tracker("trackio")),
+    "mlflow": ("mlflow", _mlflow),
+}
+
+
+def make_tracker(name: str, out_dir: Path, config: dict[str, Any]) -> Tracker | None:
+    """The tracker ``name`` (None for "none"); a clear error when its package is not installed."""
+    if name == "none":
+        return None
+    package, build = TRACKERS[name]
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(
+            f"train.tracker is {name!r} but {package!r} is not installed: pip install {package}"
+        )
+    return build(out_dir, config)
+
+
+_LINE = (
+    ("reward/mean", "reward {:.3f}"),
+    ("reward/std", "±{:.2f}"),
+    ("base/eval/reward/mean", "| before warm start {:.3f}"),
+    ("eval/reward/mean", "| eval {:.3f}"),
+    ("turns/mean", "| turns {:.2f}"),
+    ("tokens/model_mean", "| tok {:.0f}"),
+    ("truncated/ratio", "| trunc {:.2f}"),
+    ("is/ratio_mean", "| is {:.3f}"),
+    ("is/ratio_max", "max {:.2f}"),
+    ("loss/clip_frac", "| clip {:.3f}"),
+    ("time/rollout", "| rollout {:.1f}s"),
+    ("time/env_sum", "(env {:.1f}s)"),
+    ("time/train", "train {:.1f}s"),
+    ("time/eval", "eval {:.1f}s"),
+)
+
+
+def _console_line(step: int, steps: int, m: dict[str, float]) -> str:
+    """One line per step with the numbers that say whether it is learning (those present)."""
+    parts = [f"step {step}/{steps}"] + [fmt.format(m[key]) for key, fmt in _LINE if key in m]
+    return " ".join(parts)
+
+
+class MetricsLog:
+    """Appends one JSON record per step to metrics.jsonl, prints a line, and feeds a tracker."""
+
+    def __init__(
+        self, out_dir: Path, console: Console, tracker: Tracker | None, resume_step: int | None = None
+    ) -> None:
+        """Start metrics.jsonl afresh, or, resuming at ``resume_step``, keep its records up to that step."""
+        self.path = out_dir / METRICS
+        self.console = console
+        self.tracker = tracker
+        kept = read_metrics(self.path) if resume_step is not None else []
+        self.records = [r for r in kept if resume_step is not None and r["step"] <= resume_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+
+    def log(self, step: int, steps: int, metrics: dict[str, float]) -> None:
+        """Record ``metrics`` for ``step``."""
+        record = {"step": step, **metrics}
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.console.print(_console_line(step, steps, metrics), highlight=False, soft_wrap=True)
+        if self.tracker is not None:
+            self.tracker.log(metrics, step)
+
+    def close(self) -> None:
+        """Finish the tracker."""
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (none when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_rewards(records: Sequence[dict[str, Any]], path: Path) -> str:
+    """Write the train and eval reward curves to ``path``; a note saying what happened."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "no reward plot: matplotlib is not installed"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    train = [(r["step"], r["reward/mean"]) for r in records if "reward/mean" in r]
+    evals = [(r["step"], r["eval/reward/mean"]) for r in records if "eval/reward/mean" in r]
+    for points, label, style in ((train, "train (sampled)", "-"), (evals, "held-out", "o-")):
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"wrote {path}"

@@ -1,0 +1,119 @@
+"""Supervised warm-start: demonstrations played through the real env, then next-token loss on the model turns.
+
+A demonstration is the list of assistant texts of one episode (``demos(sample) -> [str, ...]``).
+Each is replayed by a ``ScriptedEngine`` through the same turn loop, env and chat encoding as
+the rollouts, so the warm-start tokens are laid out exactly as the model will later see them.
+Only demonstrations the env rewards (``reward > 0``) are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from turnrl.engines.scripted import ScriptedEngine
+from turnrl.env.registry import resolve_env
+from turnrl.imports import import_object
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.rollout.runner import load_samples
+from turnrl.train.batch import build_samples, collate, micro_batches
+from turnrl.train.config import TrainConfig
+from turnrl.train.logprobs import token_logprobs
+from turnrl.types import Sample, Trajectory
+
+Demos = Callable[[Sample], Sequence[str]]
+"""The assistant texts of one demonstrated episode of a sample."""
+
+
+async def replay(samples: Sequence[Sample], demos: Demos, spec: RolloutSpec) -> list[Trajectory]:
+    """Each sample's demonstration played through the env, under the rollout's limits."""
+    tokenizer: Any = spec.encoder.template.tokenizer
+    out = []
+    for sample in samples:
+        engine = ScriptedEngine(tokenizer, list(demos(sample)), logprob=0.0)
+        out.append(await run_trajectory(sample, dataclasses.replace(spec, engine=engine)))
+    return out
+
+
+async def demonstrations(samples: Sequence[Sample], demos: Demos, spec: RolloutSpec) -> list[Trajectory]:
+    """The replayed demonstrations the env rewards (``reward > 0``)."""
+    return [traj for traj in await replay(samples, demos, spec) if traj.reward > 0]
+
+
+def sft_epochs(
+    model: Any,
+    trajs: Sequence[Trajectory],
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    micro_batch_tokens: int,
+    chunk_size: int,
+    seed: int,
+) -> list[float]:
+    """AdamW on the token-mean negative log-likelihood of the model tokens; the loss of each step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    samples = build_samples("trajectory", trajs, [[0.0] * t.num_turns for t in trajs])
+    rng = random.Random(seed)
+    losses = []
+    for _ in range(epochs):
+        order = list(samples)
+        rng.shuffle(order)
+        for start in range(0, len(order), batch_size):
+            groups = micro_batches(order[start : start + batch_size], micro_batch_tokens)
+            batches = [collate(group, 0).to(model.device) for group in groups]
+            tokens = float(sum(b.num_tokens for b in batches))
+            optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for b in batches:
+                mask = b.loss_mask_B_T
+                logp = token_logprobs(
+                    model, b.input_ids_B_T, b.attention_mask_B_T, mask > 0, chunk_size=chunk_size
+                )
+                loss = -(logp * mask).sum() / tokens
+                loss.backward()
+                total += float(loss.detach())
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            losses.append(total)
+    return losses
+
+
+async def warm_start(model: Any, spec: RolloutSpec, config: TrainConfig) -> dict[str, float]:
+    """Replay ``config.warm_start``'s demonstrations through the env, then train ``model`` on them."""
+    cfg = config.warm_start
+    assert cfg is not None
+    t0 = time.perf_counter()
+    samples = load_samples(cfg.data, resolve_env(config.env.name))
+    played = await replay(samples, import_object(cfg.demos, "warm_start.demos"), spec)
+    trajs = [traj for traj in played if traj.reward > 0]
+    if not trajs:
+        stops = Counter(t.stop_reason.value for t in played)
+        raise ValueError(
+            f"warm start: the env rewarded none of the {len(played)} demonstrations (stops: {dict(stops)})"
+        )
+    losses = sft_epochs(
+        model,
+        trajs,
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        micro_batch_tokens=config.train.micro_batch_tokens,
+        chunk_size=config.train.logprob_chunk,
+        seed=config.train.seed,
+    )
+    return {
+        "warm_start/demos": len(trajs),
+        "warm_start/demo_turns": statistics.fmean(t.num_turns for t in trajs),
+        "warm_start/loss_first": losses[0],
+        "warm_start/loss_last": losses[-1],
+        "time/warm_start": time.perf_counter() - t0,
+    }

@@ -1,0 +1,298 @@
+"""The training loop: roll out groups with the embedded engine, score, advantages, loss, step, push weights.
+
+One step (``train_step``), top to bottom:
+
+1. pick the step's prompts: a function of the seed and the step only, so a resumed run gets the
+   very batch the interrupted one would have;
+2. roll out ``group_size`` trajectories per prompt with the HFEngine, every request seeded;
+3. advantages per model turn (``algorithm.advantage``), then training samples
+   (``algorithm.samples``: one per trajectory, or one per model turn);
+4. without gradient: old logprobs (PPO's behaviour policy) and the reference's (KL), chunked;
+5. ``ppo_epochs`` x ``mini_batches`` AdamW steps, each over micro-batches of at most
+   ``micro_batch_tokens`` padded tokens, with a token-mean loss and gradient clipping;
+6. push the new weights into the running engine (``update_weights``: no reload).
+
+Held-out evaluation runs at the start, every ``eval.every`` steps and at the end; checkpoints
+every ``save_every`` steps and at the end; ``--resume`` continues from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import random
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from transformers.utils import logging as hf_logging
+
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.engines.hf import HFEngine
+from turnrl.env.registry import resolve_env
+from turnrl.imports import import_object
+from turnrl.models import load_model, load_tokenizer, resolve_model
+from turnrl.rewards import register_reward
+from turnrl.rollout.collector import collect
+from turnrl.rollout.loop import RolloutSpec
+from turnrl.rollout.runner import load_samples
+from turnrl.train.advantages import compute_advantages
+from turnrl.train.batch import Batch, build_samples, collate, micro_batches, step_prompts, step_seed
+from turnrl.train.checkpoint import restore_training_state, save_checkpoint, start_output
+from turnrl.train.config import TrainConfig
+from turnrl.train.logprobs import token_logprobs
+from turnrl.train.loss import LossInputs, importance_stats, policy_loss
+from turnrl.train.metrics import MetricsLog, make_tracker, plot_rewards, rollout_metrics
+from turnrl.train.sft import warm_start
+from turnrl.types import Sample
+
+
+@dataclass
+class Run:
+    """Everything the loop holds."""
+
+    config: TrainConfig
+    policy: Any  # the trained model (float32, dropout off)
+    ref: Any | None  # frozen reference for the KL term
+    tokenizer: Any
+    engine: HFEngine  # serves its own copy of the weights
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    spec: RolloutSpec
+    samples: list[Sample]
+    eval_samples: list[Sample]
+    out_dir: Path
+    step: int = 0  # training steps done
+    resumed: bool = False  # restored from a checkpoint (the step-0 evaluation and warm start are done)
+
+
+def trainable_parameters(model: Any, patterns: list[str]) -> list[torch.nn.Parameter]:
+    """Freeze the parameters no pattern matches (none given: train all); the trainable ones."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(not patterns or any(re.search(p, name) for p in patterns))
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"optim.trainable {patterns} matches no parameter of the model")
+    return params
+
+
+def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Console) -> Run:
+    """Check the output folder, load data, models, optimizer and engine; restore a checkpoint."""
+    resumed = start_output(config, overwrite, resume)
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(config.train.seed)
+    random.seed(config.train.seed)
+    entry = resolve_env(config.env.name)
+    samples = load_samples(config.data, entry)
+    eval_samples = load_samples(config.eval.data, entry) if config.eval.data else []
+    for source, fn_spec in config.rewards.items():
+        register_reward(source, import_object(fn_spec, f"reward for {source!r}"))
+    spec = resolve_model(config.model)
+    tokenizer = load_tokenizer(spec)
+    device = config.engine.device
+    policy = load_model(str(resumed.model_dir) if resumed else spec, device=device)
+    ref = load_model(spec, device=device).requires_grad_(False) if config.algorithm.kl_coef > 0 else None
+    opt = config.optim
+    params = trainable_parameters(policy, opt.trainable)
+    optimizer = torch.optim.AdamW(params, opt.lr, opt.betas, weight_decay=opt.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
+    )
+    engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, config.engine.dtype))
+    engine = HFEngine(engine_model, tokenizer, max_batch_size=config.engine.max_batch_size)
+    rollout = RolloutSpec(
+        env_factory=entry.bind(config.env.kwargs),
+        engine=engine,
+        encoder=ChatEncoder(tokenizer, config.chat.template_kwargs),
+        sampling=config.sampling.params(),
+        limits=config.limits.limits(),
+        check=config.chat.check,
+    )
+    out = Path(config.output_dir)
+    run = Run(
+        config, policy, ref, tokenizer, engine, optimizer, scheduler, rollout, samples, eval_samples, out
+    )
+    if resumed:
+        run.step = restore_training_state(resumed.model_dir.parent, optimizer, scheduler)
+        run.resumed = True
+        console.print(f"resuming from {resumed.model_dir.parent} (step {run.step})")
+    return run
+
+
+def _logprobs(model: Any, batch: Batch, config: TrainConfig) -> torch.Tensor:
+    """The batch's loss-token logprobs under ``model``, at the sampling temperature."""
+    return token_logprobs(
+        model,
+        batch.input_ids_B_T,
+        batch.attention_mask_B_T,
+        batch.loss_mask_B_T > 0,
+        temperature=config.sampling.temperature or 1.0,
+        chunk_size=config.train.logprob_chunk,
+    )
+
+
+def _prepare(run: Run, batches: list[Batch]) -> dict[str, float]:
+    """Fill in old (and reference) logprobs; the rollout importance-ratio stats."""
+    algo = run.config.algorithm
+    with torch.no_grad():
+        for batch in batches:
+            if algo.recompute_old_logprobs:
+                batch.old_logprobs_B_T = _logprobs(run.policy, batch, run.config)
+            if run.ref is not None:
+                batch.ref_logprobs_B_T = _logprobs(run.ref, batch, run.config)
+    old = torch.cat([b.old_logprobs_B_T[b.loss_mask_B_T > 0] for b in batches])
+    rollout = torch.cat([b.rollout_logprobs_B_T[b.loss_mask_B_T > 0] for b in batches])
+    return importance_stats(old, rollout, torch.ones_like(rollout), algo.loss_options())
+
+
+def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, float]:
+    """``ppo_epochs`` x ``mini_batches`` optimizer steps over the micro-batches; loss and grad stats.
+
+    Each optimizer step's loss is a token mean over its share of the step's ``tokens`` loss tokens.
+    """
+    cfg, algo = run.config, run.config.algorithm
+    minis = [batches[i :: cfg.train.mini_batches] for i in range(cfg.train.mini_batches)]
+    minis = [m for m in minis if m]
+    normalizer = tokens / len(minis)
+    totals = {"loss": 0.0, "tokens": 0.0, "clipped": 0.0, "kl": 0.0, "grad_norm": 0.0, "steps": 0.0}
+    for _ in range(cfg.train.ppo_epochs):
+        for mini in minis:
+            run.optimizer.zero_grad(set_to_none=True)
+            for batch in mini:
+                inputs = LossInputs(
+                    _logprobs(run.policy, batch, cfg),
+                    batch.old_logprobs_B_T,
+                    batch.rollout_logprobs_B_T,
+                    batch.advantages_B_T,
+                    batch.loss_mask_B_T,
+                    batch.ref_logprobs_B_T,
+                )
+                result = policy_loss(algo.loss, inputs, algo.loss_options(), normalizer)
+                result.loss.backward()
+                totals["loss"] += float(result.loss.detach())
+                totals["tokens"] += result.tokens
+                totals["clipped"] += result.clipped
+                totals["kl"] += result.kl_sum
+            params = [p for p in run.policy.parameters() if p.requires_grad]
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+            totals["grad_norm"] += float(norm)
+            run.optimizer.step()
+            run.scheduler.step()
+            totals["steps"] += 1
+    steps, seen = max(totals["steps"], 1.0), max(totals["tokens"], 1.0)
+    return {
+        "loss/value": totals["loss"] / steps,
+        "loss/clip_frac": totals["clipped"] / seen,
+        "loss/kl": totals["kl"] / seen,
+        "grad_norm": totals["grad_norm"] / steps,
+        "lr": float(run.scheduler.get_last_lr()[0]),
+    }
+
+
+async def train_step(run: Run, step: int) -> dict[str, float]:
+    """Step ``step`` (from 1): rollout, advantages, samples, update, weight push; its metrics."""
+    cfg = run.config
+    t0 = time.perf_counter()
+    prompts = step_prompts(run.samples, cfg.train.prompts_per_step, step - 1, cfg.train.seed)
+    sampling = dataclasses.replace(run.spec.sampling, seed=step_seed(cfg.train.seed, step))
+    out_path = run.out_dir / "rollouts" / f"step_{step:06d}.jsonl" if cfg.train.save_rollouts else None
+    if out_path is not None:
+        out_path.unlink(missing_ok=True)  # a resumed run redoes the step
+    spec = dataclasses.replace(run.spec, sampling=sampling)
+    trajs = await collect(prompts, spec, cfg.train.group_size, cfg.train.concurrency, out_path)
+    trajs.sort(key=lambda t: (t.group_id, t.sample_index))
+    t1 = time.perf_counter()
+    advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
+    samples = build_samples(cfg.algorithm.samples, trajs, advantages)
+    tokens = sum(sum(s.loss_mask) for s in samples)
+    if cfg.algorithm.kl_coef == 0:  # all-zero advantages: exactly zero loss, so skip their compute
+        samples = [s for s in samples if any(s.advantages)]
+    metrics = rollout_metrics(trajs) | {"train/samples": len(samples), "train/tokens": tokens}
+    if samples:
+        pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+        groups = micro_batches(samples, cfg.train.micro_batch_tokens)
+        batches = [collate(group, pad).to(run.policy.device) for group in groups]
+        metrics |= _prepare(run, batches)
+        metrics |= update_policy(run, batches, tokens)
+    t2 = time.perf_counter()
+    await run.engine.update_weights(run.policy.state_dict())
+    t3 = time.perf_counter()
+    metrics |= {"time/rollout": t1 - t0, "time/train": t2 - t1}
+    return metrics | {"time/sync": t3 - t2, "time/step": t3 - t0}
+
+
+async def evaluate(run: Run, step: int, name: str = "") -> dict[str, float]:
+    """Roll out the held-out prompts (eval sampling, fixed seeds); their metrics as ``eval/...``."""
+    if not run.eval_samples:
+        return {}
+    cfg = run.config
+    t0 = time.perf_counter()
+    sampling = dataclasses.replace(run.spec.sampling, temperature=cfg.eval.temperature, seed=cfg.eval.seed)
+    spec = dataclasses.replace(run.spec, sampling=sampling)
+    out_path = run.out_dir / "eval" / f"{name or f'step_{step:06d}'}.jsonl"
+    out_path.unlink(missing_ok=True)
+    trajs = await collect(run.eval_samples, spec, cfg.eval.n, cfg.train.concurrency, out_path)
+    return rollout_metrics(trajs, "eval/") | {"time/eval": time.perf_counter() - t0}
+
+
+async def _start(run: Run) -> dict[str, float]:
+    """The step-0 record: held-out metrics, and with a warm start, those before it as ``base/...``."""
+    cfg = run.config.warm_start
+    if cfg is None:
+        return await evaluate(run, 0)
+    record = {f"base/{k}": v for k, v in (await evaluate(run, 0, "base")).items()}
+    record |= await warm_start(run.policy, run.spec, run.config)
+    await run.engine.update_weights(run.policy.state_dict())
+    _save(run, 0)  # a resume never redoes the warm start
+    return record | await evaluate(run, 0)
+
+
+def _save(run: Run, step: int) -> None:
+    parts = (run.policy, run.tokenizer, run.optimizer, run.scheduler)
+    save_checkpoint(run.out_dir, step, *parts, run.config.train.keep_checkpoints)
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+async def train_async(
+    config: TrainConfig, *, overwrite: bool = False, resume: bool = False, console: Console | None = None
+) -> dict[str, Any]:
+    """Train for ``train.steps`` steps; the last step's metrics, and the first eval as ``start/...``."""
+    console = console or Console(stderr=True)
+    run = build_run(config, overwrite, resume, console)
+    tracker = make_tracker(config.train.tracker, run.out_dir, config.model_dump(mode="json"))
+    log = MetricsLog(run.out_dir, console, tracker, run.step if run.resumed else None)
+    steps, first = config.train.steps, run.step
+    try:
+        if not run.resumed:
+            log.log(0, steps, await _start(run))
+        metrics: dict[str, float] = {}
+        for step in range(first + 1, steps + 1):
+            metrics = await train_step(run, step)
+            if _due(step, config.eval.every, steps):
+                metrics |= await evaluate(run, step)
+            run.step = step
+            log.log(step, steps, metrics)
+            if _due(step, config.train.save_every, steps):
+                _save(run, step)
+    finally:
+        log.close()
+        await run.engine.close()
+    if config.train.plot:
+        console.print(plot_rewards(log.records, run.out_dir / "rewards.png"))
+    first_record = log.records[0] if log.records else {}
+    return metrics | {f"start/{k}": v for k, v in first_record.items() if k.startswith("eval")}
+
+
+def train(
+    config: TrainConfig, *, overwrite: bool = False, resume: bool = False, console: Console | None = None
+) -> dict[str, Any]:
+    """Run ``train_async`` to completion."""
+    return asyncio.run(train_async(config, overwrite=overwrite, resume=resume, console=console))
