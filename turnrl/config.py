@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -152,8 +152,11 @@ def _first_error(exc: ValidationError) -> str:
     return f"config key {where!r}: {err['msg']}{more}"
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML config, apply overrides, validate."""
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_model_config(path: str | Path, model: type[M], overrides: list[str] | None = None) -> M:
+    """Read a YAML config, apply ``--set`` overrides, validate it as ``model``."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -165,6 +168,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         raise ConfigError(f"config file {path} must hold a mapping at the top")
     data = apply_overrides(data, overrides or [])
     try:
-        return RunConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_first_error(exc)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a rollout config, apply overrides, validate."""
+    return load_model_config(path, RunConfig, overrides)

@@ -5,20 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from turnrl.config import (
     ChatConfig,
-    ConfigError,
     DataConfig,
     EngineConfig,
     EnvConfig,
     LimitsConfig,
     SamplingConfig,
-    _first_error,
     _Strict,
-    apply_overrides,
+    load_model_config,
 )
 from turnrl.train.advantages import ESTIMATORS, AdvantageOptions
 from turnrl.train.loss import POLICY_LOSSES, LossOptions
@@ -145,16 +142,4 @@ class TrainConfig(_Strict):
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML train config, apply ``--set`` overrides, validate."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top")
-    try:
-        return TrainConfig.model_validate(apply_overrides(data, overrides or []))
-    except ValidationError as exc:
-        raise ConfigError(_first_error(exc)) from None
+    return load_model_config(path, TrainConfig, overrides)
