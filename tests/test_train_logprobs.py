@@ -97,3 +97,16 @@ def test_no_grad_path_skips_checkpointing(model: Any) -> None:
     with torch.no_grad():
         naive = naive_token_logprobs(model, ids, attention)
     torch.testing.assert_close(out[attention.bool()], naive[attention.bool()], atol=1e-5, rtol=0)
+
+
+def test_frozen_head_gets_no_gradient_and_the_rest_still_matches(model: Any) -> None:
+    model.get_output_embeddings().weight.requires_grad_(False)  # tied: the embeddings too
+    ids, attention = inputs()
+    (naive_token_logprobs(model, ids, attention) * attention).sum().backward()
+    expected = grads(model)
+    (token_logprobs(model, ids, attention, chunk_size=5) * attention).sum().backward()
+    got = grads(model)
+    assert "model.embed_tokens.weight" not in got and got.keys() == expected.keys()
+    for name in expected:
+        scale = float(expected[name].abs().max())
+        torch.testing.assert_close(got[name], expected[name], atol=1e-4 * scale, rtol=0, msg=name)

@@ -1,9 +1,10 @@
 """Log-probabilities of given tokens, without materializing ``[B, T, V]`` logits.
 
 The model body runs once and gives hidden states ``[B, T, H]``. Only the positions asked for
-are kept (``[N, H]``), then projected through ``lm_head`` chunk by chunk; each chunk runs under
-activation checkpointing, so neither the forward nor the backward pass holds more than one
-chunk's ``[chunk, V]`` logits at a time (the backward pass recomputes them). With a 152k
+are kept (``[N, H]``), then projected through ``lm_head`` chunk by chunk, each chunk
+checkpointed by hand: the forward pass keeps only the chunk's hidden states and log-sum-exp,
+and the backward pass recomputes the chunk's logits and turns them into their own gradient in
+place. So one ``[chunk, V]`` float buffer is alive at a time, in either pass; with a 152k
 vocabulary that is the difference between gigabytes and megabytes.
 """
 
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -23,19 +23,47 @@ def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _chunk_logprobs(
-    hidden_N_H: torch.Tensor,
-    weight_V_H: torch.Tensor,
-    bias_V: torch.Tensor | None,
-    targets_N: torch.Tensor,
-    temperature: float,
+def _logits(
+    hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, bias_V: torch.Tensor | None, temperature: float
 ) -> torch.Tensor:
-    """``log_softmax(hidden @ W.T / T)[target]`` for one chunk, in float32 (or float64)."""
+    """``hidden @ W.T / T`` in float32 (float64 for a float64 model), a fresh tensor."""
     logits_N_V = _at_least_float32(F.linear(hidden_N_H, weight_V_H, bias_V))
-    if temperature != 1.0:
-        logits_N_V = logits_N_V / temperature
-    picked_N = logits_N_V.gather(-1, targets_N[:, None]).squeeze(-1)
-    return picked_N - torch.logsumexp(logits_N_V, -1)
+    return logits_N_V.div_(temperature) if temperature != 1.0 else logits_N_V
+
+
+class _ChunkLogprobs(torch.autograd.Function):
+    """``log_softmax(hidden @ W.T / T)[target]`` of one chunk; the backward recomputes the logits."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden_N_H: torch.Tensor,
+        weight_V_H: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        targets_N: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        logits_N_V = _logits(hidden_N_H, weight_V_H, bias_V, temperature)
+        lse_N = torch.logsumexp(logits_N_V, -1)
+        picked_N = logits_N_V.gather(-1, targets_N[:, None]).squeeze(-1)
+        ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N, lse_N)
+        ctx.temperature = temperature
+        return picked_N - lse_N
+
+    @staticmethod
+    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """``d logp_n / d logit_nv = (onehot(target_n) - softmax_nv) / T``, built in one buffer."""
+        hidden_N_H, weight_V_H, bias_V, targets_N, lse_N = ctx.saved_tensors
+        grad_N = grad_N.to(lse_N.dtype)
+        grad_N_V = _logits(hidden_N_H, weight_V_H, bias_V, ctx.temperature).sub_(lse_N[:, None]).exp_()
+        grad_N_V.mul_(-grad_N[:, None]).scatter_add_(1, targets_N[:, None], grad_N[:, None])
+        if ctx.temperature != 1.0:
+            grad_N_V.div_(ctx.temperature)
+        grad_N_V = grad_N_V.to(weight_V_H.dtype)
+        grad_hidden = grad_N_V @ weight_V_H if ctx.needs_input_grad[0] else None
+        grad_weight = grad_N_V.T @ hidden_N_H if ctx.needs_input_grad[1] else None
+        grad_bias = grad_N_V.sum(0) if bias_V is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def _check_plain_head(model: PreTrainedModel) -> None:
@@ -76,12 +104,10 @@ def token_logprobs(
     assert isinstance(head, torch.nn.Linear), "chunked logprobs need a linear lm_head"
     pieces = []
     for start in range(0, targets_N.numel(), chunk_size):
-        end = start + chunk_size
-        args = (hidden_N_H[start:end], head.weight, head.bias, targets_N[start:end], temperature)
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(*args))
+        chunk = slice(start, start + chunk_size)
+        pieces.append(
+            _ChunkLogprobs.apply(hidden_N_H[chunk], head.weight, head.bias, targets_N[chunk], temperature)
+        )
     dtype = torch.promote_types(hidden_N_H.dtype, torch.float32)
     logprobs_N = torch.cat(pieces) if pieces else hidden_N_H.new_zeros(0, dtype=dtype)
     logprobs_B_S = torch.zeros(batch, length - 1, dtype=dtype, device=input_ids_B_T.device)
