@@ -52,7 +52,8 @@ def test_tiny_qwen3_learns_to_shout(tmp_path: Path, tiny_qwen3_dir: Path) -> Non
             "sampling": {"temperature": 1.0, "max_tokens": 8},
             "limits": {"max_turns": 1, "max_context_tokens": 128},
             "optim": {"lr": 1e-2},
-            "train": {"steps": 10, "prompts_per_step": 2, "group_size": 8, "save_every": 0, "seed": 0},
+            # seeds 0-6 all reach >= 0.75 by step 10 with these settings; 12 steps leave a margin
+            "train": {"steps": 12, "prompts_per_step": 2, "group_size": 16, "save_every": 0, "seed": 0},
             "eval": {"data": {"kwargs": {"size": 8, "offset": 100}}, "every": 0},  # held out, greedy
             "output_dir": str(tmp_path / "run"),
         }
@@ -62,5 +63,5 @@ def test_tiny_qwen3_learns_to_shout(tmp_path: Path, tiny_qwen3_dir: Path) -> Non
     assert before < 0.3
     assert after > before + 0.3, f"held-out reward {before:.3f} -> {after:.3f}"
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(11))
+    assert [r["step"] for r in records] == list(range(13))
     assert (tmp_path / "run" / "rewards.png").is_file()
