@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from turnrl.vision.processor import VisionProcessor
+
 TINY_QWEN3 = "tiny-qwen3"
+TINY_VLMS = ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl")  # see turnrl.vision.tiny
 SMOLLM2_135M = "smollm2-135m"
 QWEN3_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 _TINY_FORMAT = 1  # bump when build_tiny_qwen3 writes something different
@@ -151,6 +154,10 @@ def resolve_model(spec: str) -> ModelSpec:
     """Turn ``tiny-qwen3``, ``smollm2-135m``, a local folder or a cached hub id into a ModelSpec."""
     if spec == TINY_QWEN3:
         return ModelSpec(spec, str(build_tiny_qwen3(cache_dir() / "tiny-qwen3-L4-H128-s0")))
+    if spec in TINY_VLMS:
+        from turnrl.vision.tiny import build_tiny_vlm
+
+        return ModelSpec(spec, str(build_tiny_vlm(spec, cache_dir() / f"{spec}-s0")))
     if spec == SMOLLM2_135M:
         gguf = smollm2_gguf_path()
         return ModelSpec(spec, str(gguf.parent), gguf.name, SMOLLM2_CHAT_TEMPLATE)
@@ -209,6 +216,16 @@ def load_model(
     return model.eval()
 
 
+def load_vision_processor(spec: str | ModelSpec, tokenizer: Any) -> VisionProcessor | None:
+    """The model's image processor when its folder has one (``preprocessor_config.json``), else None."""
+    from turnrl.vision.processor import PREPROCESSOR_CONFIG, VisionProcessor
+
+    ms = _as_spec(spec)
+    if ms.gguf_file or not (Path(ms.path) / PREPROCESSOR_CONFIG).is_file():
+        return None
+    return VisionProcessor.from_pretrained(ms.path, tokenizer)
+
+
 def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     """A torch dtype from a dtype, a name such as ``"bfloat16"``, or None (float32)."""
     import torch
@@ -225,9 +242,11 @@ def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 
 def _load_pretrained(ms: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
     """A model folder or cached hub id, through ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(ms.path, dtype=dtype, local_files_only=True)
+    config = AutoConfig.from_pretrained(ms.path, local_files_only=True)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model: PreTrainedModel = auto.from_pretrained(ms.path, dtype=dtype, local_files_only=True)
     return model
 
 

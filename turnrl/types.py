@@ -76,6 +76,8 @@ class Trajectory:
     error: str | None = None  # the last error message, when stop_reason is an error
     info: dict[str, Any] = field(default_factory=dict)  # free-form data from env and tools
     policy_versions: list[int] = field(default_factory=list)  # per response token: weight version (-1: env)
+    images: list[Any] = field(default_factory=list)  # PIL images in order of appearance (prompt first)
+    multimodal_inputs: dict[str, Any] = field(default_factory=dict)  # merged processor outputs (tensors)
 
     @property
     def truncated(self) -> bool:
@@ -88,15 +90,33 @@ class Trajectory:
         return self.prompt_ids + self.response_ids
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; the stop reason is its string value."""
-        out = asdict(self)
+        """A JSON-ready dict; the stop reason is its string value. Images become PNG data URLs
+        in ``images``, and message image parts ``{"type": "image", "image_index": k}``; the
+        training tensors are left out (``turnrl.vision`` recomputes them from the images)."""
+        images, self.images = self.images, []
+        tensors, self.multimodal_inputs = self.multimodal_inputs, {}
+        try:
+            out = asdict(self)
+        finally:
+            self.images, self.multimodal_inputs = images, tensors
+        del out["multimodal_inputs"]
         out["stop_reason"] = self.stop_reason.value
+        if images:
+            from turnrl.vision.content import data_url, messages_to_json
+
+            out["messages"] = messages_to_json(self.messages, images)
+            out["images"] = [data_url(image) for image in images]
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
-        """The inverse of ``to_dict``."""
+        """The inverse of ``to_dict`` (images come back as PIL images)."""
         data = dict(data)
         data["stop_reason"] = StopReason(data["stop_reason"])
         data["turns"] = [Turn(**t) for t in data.get("turns", [])]
+        if data.get("images"):
+            from turnrl.vision.content import load_image, messages_from_json
+
+            data["images"] = [load_image(url) for url in data["images"]]
+            data["messages"] = messages_from_json(data["messages"], data["images"])
         return cls(**data)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from turnrl.chat.check import CheckMode, CheckResult, compare
 from turnrl.chat.probe import (
@@ -16,15 +17,39 @@ from turnrl.chat.probe import (
 )
 from turnrl.chat.template import ChatTemplate
 from turnrl.types import Message
+from turnrl.vision.content import has_images, is_image_part, normalize_images, text_parts
+
+if TYPE_CHECKING:
+    from turnrl.vision.processor import ImageInput, VisionProcessor
 
 Tools = Sequence[dict[str, Any]] | None
+
+
+class NoVisionError(ValueError):
+    """Messages carry images but the model has no image processor."""
+
+
+@dataclass
+class Encoded:
+    """Token ids for some messages, with the images they hold (already expanded in ``ids``)."""
+
+    ids: list[int]
+    messages: list[Message]  # the messages as encoded: image parts hold PIL images
+    images: list[ImageInput] = field(default_factory=list)  # in order of appearance
+    inputs: dict[str, Any] = field(default_factory=dict)  # processor outputs for training (per turn)
 
 
 class ChatEncoder:
     """Encodes conversations for one tokenizer; probes its template once per tool list."""
 
-    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        vision: VisionProcessor | None = None,
+    ) -> None:
         self.template = ChatTemplate(tokenizer, chat_template_kwargs)
+        self.vision = vision  # the image processor of a vision-language model
         self._probes: dict[str, TemplateProbe] = {}
 
     def probe(self, tools: Tools = None) -> TemplateProbe:
@@ -36,21 +61,57 @@ class ChatEncoder:
 
     def conversation(self, tools: Tools = None) -> ConversationEncoder:
         """An encoder for one trajectory with these tools."""
-        return ConversationEncoder(self.template, self.probe(tools), tools)
+        return ConversationEncoder(self.template, self.probe(tools), tools, self.vision)
 
 
 class ConversationEncoder:
-    """Per-trajectory encoding: the prompt once, then one delta per observation."""
+    """Per-trajectory encoding: the prompt once, then one delta per observation.
 
-    def __init__(self, template: ChatTemplate, probe: TemplateProbe, tools: Tools) -> None:
+    Images: each image part renders as the template's placeholder (one image token), and the
+    placeholder is then expanded to the image's token count. Only new images are processed;
+    their training inputs come back per turn in ``Encoded.inputs``.
+    """
+
+    def __init__(
+        self,
+        template: ChatTemplate,
+        probe: TemplateProbe,
+        tools: Tools,
+        vision: VisionProcessor | None = None,
+    ) -> None:
         self.template = template
         self.probe = probe
         self.tools = list(tools) if tools else None
+        self.vision = vision
         self.slow_turns = 0  # observations that needed a re-render of the fixed base
 
     def encode_prompt(self, messages: Sequence[Message]) -> list[int]:
         """The prompt with its generation prompt, rendered and encoded once."""
-        return self.template.encode(self.template.render(messages, self.tools, True))
+        return self.prompt(messages).ids
+
+    def prompt(self, messages: Sequence[Message]) -> Encoded:
+        """The prompt with its generation prompt and its images, rendered and encoded once."""
+        messages, raw = self._normalize(messages)
+        ids = self.template.encode(self.template.render(messages, self.tools, True))
+        return self._with_images(ids, messages, raw)
+
+    def observation(self, messages: Sequence[Message], last_token_text: str | None) -> Encoded:
+        """Delta tokens of observation messages (see ``encode_observation``) and their images."""
+        messages, raw = self._normalize(messages)
+        return self._with_images(self.encode_observation(messages, last_token_text), messages, raw)
+
+    def _normalize(self, messages: Sequence[Message]) -> tuple[list[Message], list[Any]]:
+        if not has_images(messages):
+            return list(messages), []
+        if self.vision is None:
+            raise NoVisionError("the messages hold images but the model has no image processor")
+        return normalize_images(messages)
+
+    def _with_images(self, ids: list[int], messages: list[Message], raw: list[Any]) -> Encoded:
+        if self.vision is None:
+            return Encoded(ids, messages)
+        features = self.vision.features(raw)
+        return Encoded(self.vision.expand(ids, features.images), messages, features.images, features.inputs)
 
     def assistant_text(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
         """The model's turn as message content, and the text of its last token.
@@ -78,15 +139,24 @@ class ConversationEncoder:
         template's end-of-turn token it is not inserted again.
         """
         roles = {m.get("role") for m in messages}
-        shape = self.probe.shapes.get(str(next(iter(roles)))) if len(roles) == 1 else None
+        role = str(next(iter(roles))) if len(roles) == 1 else ""
+        shape = self.probe.shapes.get(role)
         contents = [m.get("content") for m in messages]
-        if shape is None or not all(isinstance(c, str) for c in contents):
+        placeholder = self.probe.image_placeholders.get(role)
+        if shape is None or not all(isinstance(c, str) or placeholder is not None for c in contents):
             return self._encode_slow(messages, last_token_text)
         pieces: list[tuple[str, bool]] = [(self._after_model(shape.lead, last_token_text), False)]
         for i, content in enumerate(contents):
             if i:
                 pieces.append((shape.between, False))
-            pieces.append((str(content), True))
+            if isinstance(content, str):
+                pieces.append((content, True))
+                continue
+            for part in content or []:
+                if is_image_part(part):
+                    pieces.append((str(placeholder), False))
+                elif isinstance(part, dict) and "text" in part:
+                    pieces.append((str(part["text"]), True))
         pieces.append((shape.close, False))
         return self.template.encode_protected(pieces)
 
@@ -98,10 +168,10 @@ class ConversationEncoder:
         tail = self._after_model(tail, last_token_text)
         pieces: list[tuple[str, bool]] = []
         for m in messages:
-            content = m.get("content")
-            if isinstance(content, str) and content and content in tail:
-                before, tail = tail.split(content, 1)
-                pieces += [(before, False), (content, True)]
+            for content in text_parts(m.get("content")):
+                if content and content in tail:
+                    before, tail = tail.split(content, 1)
+                    pieces += [(before, False), (content, True)]
         pieces.append((tail, False))
         return self.template.encode_protected(pieces)
 
@@ -118,6 +188,7 @@ class ConversationEncoder:
         ends_with_model: bool,
         mode: CheckMode,
         loss_mask: Sequence[int] | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> CheckResult:
         """Compare the rollout's tokens with a full re-render of ``messages``."""
         if mode == "disable":
@@ -129,4 +200,6 @@ class ConversationEncoder:
             sampled = [0] * len(prompt_ids) + list(loss_mask) + [0] * len(closing)
         rendered = self.template.render(messages, self.tools, not ends_with_model)
         reference = self.template.encode(rendered)
+        if self.vision is not None:
+            reference = self.vision.expand(reference, images)
         return compare(self.template, incremental, reference, mode, self.probe.rewrites_reasoning, sampled)

@@ -64,6 +64,7 @@ class TemplateProbe:
     drops_past_reasoning: bool = False  # earlier turns' <think> blocks vanish from later renders
     injects_empty_think: bool = False  # the last assistant turn gets a <think></think> it never wrote
     generation_prompt: str = ""  # what add_generation_prompt appends
+    image_placeholders: dict[str, str] = field(default_factory=dict)  # role -> text one image part renders as
 
     @property
     def rewrites_reasoning(self) -> bool:
@@ -81,6 +82,8 @@ class TemplateProbe:
             )
         for role, why in self.slow_roles.items():
             lines.append(f"role {role!r}: slow path (re-render of a fixed base each turn): {why}")
+        for role, text in self.image_placeholders.items():
+            lines.append(f"role {role!r}: an image part renders as {text!r}")
         if self.drops_past_reasoning:
             lines.append("drops the reasoning of earlier turns from later renders (rollout keeps it)")
         if self.injects_empty_think:
@@ -162,5 +165,23 @@ def probe_template(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None = N
             probe.shapes[role] = shape
         else:
             probe.slow_roles[role] = shape
+        placeholder = _probe_image(tpl, tools, role)
+        if placeholder is not None:
+            probe.image_placeholders[role] = placeholder
     probe.drops_past_reasoning, probe.injects_empty_think = _probe_reasoning(tpl, tools)
     return probe
+
+
+def _probe_image(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None, role: str) -> str | None:
+    """The text an image part renders as in a ``role`` message, when list content renders like the
+    same text as a string (so the fast path can flatten it); None when the template has no images."""
+    parts = [{"type": "text", "text": _mark(0)}, {"type": "image"}, {"type": "text", "text": _mark(1)}]
+    try:
+        listed = _render_tail(tpl, tools, [dict(observation_message(role, ""), content=parts)], True)
+    except ChatTemplateError:
+        return None
+    if listed.count(_mark(0)) != 1 or listed.count(_mark(1)) != 1:
+        return None
+    placeholder = listed.split(_mark(0), 1)[1].split(_mark(1), 1)[0]
+    flat = _render_tail(tpl, tools, [observation_message(role, _mark(0) + placeholder + _mark(1))], True)
+    return placeholder if placeholder and flat == listed else None

@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from turnrl.engines.base import EngineError, FinishReason, Generation, SamplingParams
 from turnrl.engines.weights import Weights, load_state_dict
+from turnrl.vision.processor import ImageInput, ImageTokenError, VisionProcessor, as_image_inputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -51,6 +52,8 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # weight version of each sampled token
     cancelled: bool = False  # set by the caller's task when it stops waiting
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's images, in order
+    rope_delta: int = 0  # multimodal RoPE: text positions after images are shifted by this much
 
     def add_token(self, token: int, logprob: float, version: int) -> FinishReason | None:
         """Record a sampled token; the finish reason when it ends the generation."""
@@ -148,6 +151,7 @@ class _Batch:
     def __init__(self) -> None:
         self.requests: list[_Request] = []
         self.lengths: list[int] = []  # real tokens in the cache, per row
+        self.deltas: list[int] = []  # per row: position shift after images (multimodal RoPE)
         self.cache: Cache | None = None
 
     def __len__(self) -> int:
@@ -165,7 +169,7 @@ class _Batch:
         """Drop rows where ``keep`` is False, append prefilled requests, and re-pad the cache."""
         requests = [r for r, kept in zip(self.requests, keep, strict=True) if kept] + [r for r, _ in new]
         if not requests:
-            self.requests, self.lengths, self.cache = [], [], None
+            self.requests, self.lengths, self.deltas, self.cache = [], [], [], None
             return
         num_layers = len(self.cache.layers) if self.cache is not None else len(new[0][1].layers)
         layers: list[Any] = []
@@ -174,6 +178,7 @@ class _Batch:
             layers.append(_GrowingLayer(old + [_first_row(cache, layer) for _, cache in new]))
         self.lengths = [n for n, kept in zip(self.lengths, keep, strict=True) if kept]
         self.lengths += [len(r.prompt_ids) for r, _ in new]
+        self.deltas = [r.rope_delta for r in requests]
         self.requests, self.cache = requests, Cache(layers=layers)
 
     def step_inputs(self, device: torch.device) -> dict[str, torch.Tensor | None]:
@@ -186,7 +191,9 @@ class _Batch:
             mask = (cols[None, :] >= starts[:, None]).long()
         return {
             "input_ids": torch.tensor([[r.token_ids[-1]] for r in self.requests], device=device),
-            "position_ids": torch.tensor([[n] for n in self.lengths], device=device),
+            "position_ids": torch.tensor(
+                [[n + d] for n, d in zip(self.lengths, self.deltas, strict=True)], device=device
+            ),
             "attention_mask": mask,
         }
 
@@ -281,6 +288,7 @@ class HFEngine:
         max_prefill_tokens: int = 8192,
         seed: int | None = None,
         num_threads: int | None = None,
+        vision: VisionProcessor | None = None,
     ) -> None:
         """Serve ``model``; the tokenizer is optional, kept for callers, and its eos id stops generations.
 
@@ -288,6 +296,8 @@ class HFEngine:
         config eos ids, plus the tokenizer's). ``max_prefill_tokens`` bounds the prompt tokens
         prefilled between two decode steps; ``num_threads`` sets torch's intra-op threads
         (process-wide) when the worker starts; ``seed`` seeds requests that bring none.
+        ``vision`` is a vision-language model's image processor: requests may then bring images
+        (``ImageInput``s from the rollout, or raw images that are processed here).
         """
         _check_full_attention(model)
         self._model = model.eval()
@@ -300,7 +310,8 @@ class HFEngine:
         self._max_batch_size = max_batch_size
         self._max_prefill_tokens = max_prefill_tokens
         self._num_threads = num_threads
-        self._context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self._vision = vision
+        self._context = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0)
         self._vocab = int(model.get_output_embeddings().weight.shape[0])
         self._generator = torch.Generator()
         if seed is None:
@@ -323,8 +334,12 @@ class HFEngine:
         from turnrl.models import load_model, load_tokenizer, resolve_model
 
         model_spec = resolve_model(spec)
+        from turnrl.models import load_vision_processor
+
         model = load_model(model_spec, dtype=dtype, device=device)
-        return cls(model, load_tokenizer(model_spec), **kwargs)
+        tokenizer = load_tokenizer(model_spec)
+        kwargs.setdefault("vision", load_vision_processor(model_spec, tokenizer))
+        return cls(model, tokenizer, **kwargs)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -432,8 +447,7 @@ class HFEngine:
         self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Any]
     ) -> _Request:
         """Validate a call and turn it into a request."""
-        if images:
-            raise EngineError("HFEngine is text-only: images are not supported")
+        inputs = self._image_inputs(prompt_ids, images)
         if not prompt_ids:
             raise EngineError("empty prompt")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab:
@@ -447,7 +461,24 @@ class HFEngine:
         loop = asyncio.get_running_loop()
         stop_ids = self._eos_ids | frozenset(sampling.stop_token_ids)
         max_new = min(sampling.max_tokens, room)
-        return _Request(prompt_ids, sampling, stop_ids, max_new, generator, loop, loop.create_future())
+        request = _Request(prompt_ids, sampling, stop_ids, max_new, generator, loop, loop.create_future())
+        request.images = inputs
+        return request
+
+    def _image_inputs(self, prompt_ids: list[int], images: Sequence[Any]) -> list[ImageInput]:
+        """The images as processed inputs, checked against the prompt's image tokens."""
+        if self._vision is None:
+            if images:
+                raise EngineError(
+                    f"{type(self._model).__name__} has no image processor: images are not supported"
+                )
+            return []
+        try:
+            inputs = as_image_inputs(images, self._vision)
+            self._vision.check(prompt_ids, inputs)
+        except (ImageTokenError, ValueError) as exc:
+            raise EngineError(str(exc)) from exc
+        return inputs
 
     def _submit(self, queue: deque[Any], item: _Request | _WeightUpdate) -> None:
         """Queue work for the worker, starting it on first use."""
@@ -529,12 +560,27 @@ class HFEngine:
         """Run the prompt alone, sample its first token; its cache, or None when it already finished."""
         cache = DynamicCache(config=self._model.config)
         ids = torch.tensor([request.prompt_ids], device=self._model.device)
-        out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        extra = self._image_kwargs(request, ids) if request.images else {}
+        out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
         reason = self._sample(request, out.logits[0, -1])
         if reason is not None:
             request.finish(reason)
             return None
         return cache
+
+    def _image_kwargs(self, request: _Request, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Pixel values, grids and multimodal RoPE positions of a prompt with images; the
+        request keeps its position shift for the decode steps."""
+        assert self._vision is not None
+        device = self._model.device
+        pixels = torch.cat([image.pixel_values for image in request.images]).to(device, self._model.dtype)
+        grid = torch.cat([image.grid_thw for image in request.images]).to(device)
+        token_types = (ids == self._vision.image_token_id).int()
+        positions, delta = self._model.model.get_rope_index(
+            ids, mm_token_type_ids=token_types, image_grid_thw=grid
+        )
+        request.rope_delta = int(delta.reshape(-1)[0])
+        return {"pixel_values": pixels, "image_grid_thw": grid, "position_ids": positions}
 
     def _decode(self, batch: _Batch) -> None:
         """One forward step for every row; finished rows leave the batch."""

@@ -30,6 +30,8 @@ import httpx
 from turnrl.engines.base import EngineError, Generation, SamplingParams
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present, require
 from turnrl.engines.weights import Weights
+from turnrl.vision.content import data_url, load_image
+from turnrl.vision.processor import ImageInput
 
 
 def sampling_params(sampling: SamplingParams) -> dict[str, Any]:
@@ -63,8 +65,17 @@ def generate_payload(
         "rid": rid,
     }
     if images:
-        body["image_data"] = list(images)
+        body["image_data"] = [image_url(image) for image in images]
     return body
+
+
+def image_url(image: Any) -> str:
+    """An image as SGLang's ``image_data`` takes it: a data URL (PNG, lossless), a URL or a path."""
+    if isinstance(image, str):
+        return image
+    if isinstance(image, ImageInput):
+        return image.data_url
+    return data_url(load_image(image))
 
 
 def parse_generate(answer: Any) -> tuple[list[int], list[float], str | None, dict[str, Any]]:

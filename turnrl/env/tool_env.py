@@ -70,7 +70,8 @@ class ToolEnv(Env):
             return StepResult(observation=None, done=True, stop_reason=StopReason.NO_TOOL_CALL)
         results = await self._run_calls(parsed.calls)
         messages = [
-            _tool_message(c.name, c.id, r.output.text) for c, r in zip(parsed.calls, results, strict=True)
+            _tool_message(c.name, c.id, r.output.text, r.output.images)
+            for c, r in zip(parsed.calls, results, strict=True)
         ]
         messages += [_tool_message("", f"error_{i}", f"Error: {e}") for i, e in enumerate(parsed.errors)]
         info = {
@@ -155,7 +156,11 @@ def select_tools(tools: Sequence[BaseTool], sample: Sample) -> dict[str, BaseToo
     return {name: by_name[name] for name in dict.fromkeys(sample.tools)}
 
 
-def _tool_message(name: str, call_id: str, content: str) -> Message:
+def _tool_message(name: str, call_id: str, text: str, images: Sequence[Any] = ()) -> Message:
+    """A tool message; with images, its content is the image parts then the text."""
+    content: Any = text
+    if images:
+        content = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": text}]
     return {"role": "tool", "name": name, "tool_call_id": call_id, "content": content}
 
 

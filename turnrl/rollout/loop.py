@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from turnrl.rewards import RewardContext, RewardFn, compute_reward
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.record import ResponseRecord
 from turnrl.types import Message, Sample, StopReason, Trajectory, Turn
+from turnrl.vision.processor import ImageInput
 
 
 @dataclass(frozen=True)
@@ -133,11 +134,11 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
         # 2. Encode the prompt once; from here on, tokens are only appended.
         try:
             conv = spec.encoder.conversation(env.tools)
-            prompt_ids = conv.encode_prompt(prompt)
+            encoded_prompt = conv.prompt(prompt)
         except Exception as exc:  # e.g. the chat template rejects the prompt or the tools
             return failed_trajectory(sample, sample_index, f"prompt: {type(exc).__name__}: {exc}")
-        record.messages = list(prompt)
-        record.sequence = list(prompt_ids)
+        prompt_ids = encoded_prompt.ids
+        record.start(encoded_prompt)
         last_token_text: str | None = None
         while error is None:
             # 3. Generate within the budget; keep the sampled tokens exactly.
@@ -189,20 +190,20 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
             if record.num_model_turns >= spec.limits.max_turns:
                 stop = StopReason.MAX_TURNS
                 break
-            # 6. Append the observation as delta tokens (mask 0), unless it would overflow.
+            # 6. Append the observation as delta tokens (mask 0) with its images, unless it would
+            #    overflow: then nothing of it (tokens, images) is appended.
             t0 = time.perf_counter()
             try:
-                obs_messages = env.format_observation(result.observation)
-                obs_ids = conv.encode_observation(obs_messages, last_token_text)
+                obs = conv.observation(env.format_observation(result.observation), last_token_text)
             except Exception as exc:  # a bad observation ends this trajectory, not the run
                 error, stop = f"observation: {type(exc).__name__}: {exc}", StopReason.ENV_ERROR
                 break
             encode_s = time.perf_counter() - t0
             metrics["time/encode"] += encode_s
-            if _budget(record, spec.limits) - len(obs_ids) <= 0:
+            if _budget(record, spec.limits) - len(obs.ids) <= 0:
                 stop = StopReason.TOKEN_BUDGET
                 break
-            record.add_env(obs_ids, obs_messages, conv.template.decode(obs_ids), encode_s, retries)
+            record.add_env(obs, conv.template.decode(obs.ids), encode_s, retries)
             _notify(spec, sample, sample_index, record)
             last_token_text = None
         # 7. Finalize: trajectory, reward (env still alive), sanity check, metrics.
@@ -225,9 +226,11 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
             error=error,
             info=info,
             policy_versions=record.policy_versions,
+            images=[image.image for image in record.images],
+            multimodal_inputs=record.multimodal.merge(),
         )
         traj.reward = await _safe_reward(sample, traj, env, spec)
-        _finish_metrics(traj, conv, last_token_text, spec.check)
+        _finish_metrics(traj, conv, last_token_text, spec.check, record.images)
         if spec.mask_offpolicy:
             _mask_offpolicy(traj, record.policy_versions)
         return traj
@@ -265,14 +268,16 @@ async def _generate(
     seed = request_seed(spec.sampling.seed, sample, index, record.num_model_turns)
     sampling = dataclasses.replace(spec.sampling, max_tokens=max_tokens, seed=seed)
     session = f"{sample.id}/{index}"
-    gen = await spec.engine.generate(record.sequence, sampling, session=session)
+    gen = await spec.engine.generate(record.sequence, sampling, record.images, session=session)
     while gen.finish_reason == "abort" and control is not None and not control.stopped and control.paused:
         await control.wait_running()
         left = max_tokens - len(gen.token_ids)
         if control.stopped or left <= 0:
             break
         resumed = dataclasses.replace(sampling, max_tokens=left, seed=None if seed is None else seed + 1)
-        more = await spec.engine.generate(record.sequence + gen.token_ids, resumed, session=session)
+        more = await spec.engine.generate(
+            record.sequence + gen.token_ids, resumed, record.images, session=session
+        )
         gen = _join(gen, more, control)
     return gen
 
@@ -339,7 +344,11 @@ def _check_messages(messages: list[Message]) -> list[Message]:
 
 
 def _finish_metrics(
-    traj: Trajectory, conv: ConversationEncoder, last_text: str | None, mode: CheckMode
+    traj: Trajectory,
+    conv: ConversationEncoder,
+    last_text: str | None,
+    mode: CheckMode,
+    images: Sequence[ImageInput] = (),
 ) -> None:
     ends_with_model = bool(traj.turns) and traj.turns[-1].role == "assistant"
     try:
@@ -351,6 +360,7 @@ def _finish_metrics(
             ends_with_model,
             mode,
             traj.loss_mask,
+            images,
         )
     except Exception as exc:  # a template that cannot render the final messages
         traj.metrics["check/error"] = f"{type(exc).__name__}: {exc}"

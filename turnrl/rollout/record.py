@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from turnrl.chat.encoder import Encoded
 from turnrl.engines.base import Generation
 from turnrl.types import Message, Turn
+from turnrl.vision.buffer import MultimodalBuffer
+from turnrl.vision.processor import ImageInput
 
 
 @dataclass
@@ -21,6 +24,15 @@ class ResponseRecord:
     messages: list[Message] = field(default_factory=list)  # the conversation so far
     num_model_turns: int = 0  # model turns so far
     reported: int = 0  # turns already passed to the per-turn hook
+    images: list[ImageInput] = field(default_factory=list)  # every image so far: what the engine sees
+    multimodal: MultimodalBuffer = field(default_factory=MultimodalBuffer)  # training inputs, per turn
+
+    def start(self, prompt: Encoded) -> None:
+        """Begin with the encoded prompt and its images."""
+        self.sequence = list(prompt.ids)
+        self.messages = list(prompt.messages)
+        self.images = list(prompt.images)
+        self.multimodal.append(prompt.inputs)
 
     def add_model(self, gen: Generation, text: str, seconds: float, versions: list[int]) -> Turn:
         """Append the engine's tokens exactly as sampled (mask 1)."""
@@ -39,10 +51,11 @@ class ResponseRecord:
         self.num_model_turns += 1
         return turn
 
-    def add_env(
-        self, ids: list[int], messages: list[Message], text: str, seconds: float, retries: int
-    ) -> None:
-        """Append inserted tokens (mask 0) for observation messages."""
+    def add_env(self, obs: Encoded, text: str, seconds: float, retries: int) -> None:
+        """Append inserted tokens (mask 0) for observation messages, with their images."""
+        ids, messages = obs.ids, obs.messages
+        self.images += obs.images
+        self.multimodal.append(obs.inputs)
         start = len(self.response_ids)
         self.response_ids += ids
         self.sequence += ids

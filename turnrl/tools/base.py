@@ -38,6 +38,7 @@ class ToolOutput:
     text: str  # what the model sees in the tool message
     reward: float = 0.0  # step reward for this call
     metrics: dict[str, Any] = field(default_factory=dict)  # free-form numbers for logging
+    images: list[Any] = field(default_factory=list)  # images the model sees before the text (VLMs)
 
 
 ExecuteResult = ToolOutput | str | tuple[Any, ...]
@@ -62,14 +63,29 @@ def normalize_schema(schema: Mapping[str, Any]) -> ToolSchema:
 
 
 def as_tool_output(value: Any) -> ToolOutput:
-    """Normalize what ``execute`` returned: a ToolOutput, a str, verl's ``(text, reward, metrics)``, or
-    any other value (JSON-encoded when possible)."""
+    """Normalize what ``execute`` returned: a ToolOutput, a str, verl's ``(text, reward, metrics)``,
+    an image, verl's multimodal ``{"text": ..., "image": [...]}``, or any other value (JSON-encoded
+    when possible)."""
     if isinstance(value, ToolOutput):
         return value
     if isinstance(value, tuple) and 1 <= len(value) <= 3:
         text, reward, metrics = (*value, 0.0, None)[:3]
-        return ToolOutput(_as_text(text), float(reward or 0.0), dict(metrics or {}))
+        out = as_tool_output(text)
+        return ToolOutput(out.text, float(reward or 0.0), dict(metrics or {}), out.images)
+    if _is_image(value):
+        return ToolOutput("", images=[value])
+    if isinstance(value, Mapping) and ("image" in value or "images" in value):
+        images = value.get("image", value.get("images"))
+        images = list(images) if isinstance(images, list | tuple) else [images]
+        return ToolOutput(str(value.get("text") or ""), images=[i for i in images if i is not None])
     return ToolOutput(_as_text(value))
+
+
+def _is_image(value: Any) -> bool:
+    """A PIL image or an ``HxWx3`` array."""
+    return type(value).__module__.startswith("PIL.") or (
+        hasattr(value, "__array_interface__") and len(getattr(value, "shape", ())) == 3
+    )
 
 
 def _as_text(value: Any) -> str:
