@@ -352,6 +352,11 @@ class HFEngine:
         return self._tokenizer
 
     @property
+    def vision(self) -> VisionProcessor | None:
+        """The image processor of a vision-language model (None for text-only models)."""
+        return self._vision
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         """Token ids that end every generation."""
         return self._eos_ids
@@ -469,9 +474,8 @@ class HFEngine:
         """The images as processed inputs, checked against the prompt's image tokens."""
         if self._vision is None:
             if images:
-                raise EngineError(
-                    f"{type(self._model).__name__} has no image processor: images are not supported"
-                )
+                name = type(self._model).__name__
+                raise EngineError(f"{name} is text-only (no image processor): images are not supported")
             return []
         try:
             inputs = as_image_inputs(images, self._vision)
