@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -277,3 +278,19 @@ def test_sglang_request_carries_images_as_data_urls(qwen2vl: tuple[Any, VisionPr
     body = generate_payload([1, 2], SamplingParams(), inputs, "r")
     assert [u[:22] for u in body["image_data"]] == ["data:image/png;base64,"] * 2
     assert body["image_data"][0] is inputs[0].data_url  # encoded once per image, reused every turn
+
+
+async def test_viewer_shows_the_images_of_a_vlm_run(
+    qwen2vl: tuple[Any, VisionProcessor], tmp_path: Path
+) -> None:
+    from turnrl.viewer.page import read_run, view_model
+
+    tokenizer, vision = qwen2vl
+    engine = ScriptedEngine(tokenizer, ["C.<|im_end|>"] * 2)
+    spec = spec_for(PictureEnv, engine, ChatEncoder(tokenizer, vision=vision), 2)
+    traj = await run_trajectory(Sample("p", []), spec)
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps(traj.to_dict()) + "\n")
+    shown = view_model(read_run(tmp_path))["trajectories"][0]
+    urls = [p["image"] for m in shown["messages"] if isinstance(m["content"], list) for p in m["content"]
+            if p.get("type") == "image"]  # fmt: skip
+    assert urls == traj.to_dict()["images"] and len(urls) == 3

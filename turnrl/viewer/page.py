@@ -183,11 +183,29 @@ def view_model(run: Run, tokenizer: Any | None = None) -> dict[str, Any]:
 def _prepare(traj: dict[str, Any]) -> dict[str, Any]:
     """A trajectory with turn-to-message spans added and logprobs rounded."""
     out = dict(traj)
+    if images := out.pop("images", None):  # a VLM run: image parts point into the images list
+        out["messages"] = [_with_images(m, images) for m in out.get("messages") or []]
     spans = turn_messages(traj.get("messages") or [], traj["turns"])
     out["turn_messages"] = spans
     out["prompt_messages"] = spans[0][0] if spans else len(traj.get("messages") or [])
     out["rollout_logprobs"] = [_round(lp) for lp in traj.get("rollout_logprobs") or []]
     return out
+
+
+def _with_images(message: dict[str, Any], images: Sequence[str]) -> dict[str, Any]:
+    """A message whose ``{"type": "image", "image_index": k}`` parts carry image ``k`` (a data URL)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [
+        {"type": "image", "image": images[p["image_index"]]}
+        if isinstance(p, dict)
+        and isinstance(p.get("image_index"), int)
+        and 0 <= p["image_index"] < len(images)
+        else p
+        for p in content
+    ]
+    return {**message, "content": parts}
 
 
 def _round(value: Any) -> Any:
