@@ -204,7 +204,8 @@ class OpenAIEngine:
         """Sample a continuation of ``prompt_ids``; ``session`` is accepted for the balancer and unused."""
         if images:
             raise RequestError(
-                "OpenAIEngine sends token ids only: images are not supported on /v1/completions"
+                "OpenAIEngine sends token ids to /v1/completions, which takes no images: "
+                "use the SGLang engine (kind: sglang, image_data) or vLLM in process for VLMs"
             )
         if not prompt_ids:
             raise RequestError("empty prompt")

@@ -81,7 +81,7 @@ class VLLMEngine:
 
         prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
         if images:
-            prompt["multi_modal_data"] = {"image": list(images)}
+            prompt["multi_modal_data"] = {"image": [getattr(i, "image", i) for i in images]}  # PIL images
         final = None
         params = vllm_sampling_params(self._vllm, sampling)
         async for output in self._engine.generate(prompt, params, uuid.uuid4().hex):
