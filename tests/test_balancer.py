@@ -167,3 +167,27 @@ async def test_the_loop_ends_with_engine_error_when_every_engine_is_down(qwen3_t
     traj = await run_trajectory(Sample("s0", [{"role": "user", "content": "Hi"}]), spec)
     assert traj.stop_reason == StopReason.ENGINE_ERROR
     assert traj.error is not None and "failed" in traj.error
+
+
+async def test_an_engine_added_while_running_takes_new_sessions() -> None:
+    e0, e1 = FakeEngine(), FakeEngine()
+    bal = balancer(e0)
+    assert await where(bal, "s") == "e0"
+    assert bal.add_engine(e1, "late") == 1
+    assert await where(bal, "t") == "late"  # it has served the fewest
+    assert await where(bal, "s") == "e0"  # a session already placed stays
+    assert bal.healthy() == [True, True] and bal.active() == [0, 1]
+
+
+async def test_a_retired_engine_gets_nothing_and_never_comes_back() -> None:
+    e0, e1 = FakeEngine(), FakeEngine()
+    bal = balancer(e0, e1, cooloff_s=0)
+    assert await where(bal, "s") == "e0"
+    assert bal.retire(0) is e0
+    assert await where(bal, "s") == "e1"  # its session moved
+    assert bal.healthy() == [False, True] and bal.active() == [1]
+    assert await where(bal, "new") == "e1"
+    assert e0.sessions == ["s"]
+    bal.retire(1)
+    with pytest.raises(EngineError, match="no healthy engine among 0"):
+        await bal.generate([1], SAMPLING)

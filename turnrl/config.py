@@ -8,7 +8,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from turnrl.distributed.config import RayEnvConfig
+from turnrl.distributed.config import RayEngineConfig, RayEnvConfig
 from turnrl.engines.base import SamplingParams
 from turnrl.rollout.loop import Limits
 
@@ -39,6 +39,7 @@ class EngineConfig(_Strict):
     load_factor: float = Field(2.0, ge=1)  # balancer: move off a server this much busier than the least
     cooloff_s: float = Field(30.0, ge=0)  # balancer: how long a failed server is left out
     vllm_kwargs: dict[str, Any] = Field(default_factory=dict)  # vllm: AsyncEngineArgs
+    ray: RayEngineConfig = Field(default_factory=RayEngineConfig)  # engine actors / registry; off: local
 
 
 class ChatConfig(_Strict):

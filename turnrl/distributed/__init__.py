@@ -1,28 +1,62 @@
-"""Scale-out on Ray: env workers as actors. Ray is imported only when these are used.
+"""Scale-out on Ray: env workers and engines as actors. Ray is imported only when these are used.
 
-``RayEnvConfig`` is always importable (configs use it); ``RayEnvPool``, ``RayEnvFactory``,
-``RemoteEnv`` and ``ray_env_factory`` import Ray on first access (``pip install 'turnrl[ray]'``).
+``RayEnvConfig`` and ``RayEngineConfig`` are always importable (configs use them); the other
+names import Ray on first access (``pip install 'turnrl[ray]'``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from turnrl.distributed.config import RayEnvConfig
+from turnrl.distributed.config import RayEngineConfig, RayEnvConfig
 
 if TYPE_CHECKING:
+    from turnrl.distributed.ray_engines import (
+        RayEngine,
+        get_registry,
+        register_actor,
+        register_server,
+        start_engine_actor,
+    )
     from turnrl.distributed.ray_envs import RayEnvFactory, RayEnvPool, RemoteEnv, ray_env_factory
+    from turnrl.distributed.registry_engine import RegistryEngine, ray_engine
 
-_NEED_RAY = ("RayEnvFactory", "RayEnvPool", "RemoteEnv", "ray_env_factory")
+_NEED_RAY = {
+    "RayEnvFactory": "ray_envs",
+    "RayEnvPool": "ray_envs",
+    "RemoteEnv": "ray_envs",
+    "ray_env_factory": "ray_envs",
+    "RayEngine": "ray_engines",
+    "RegistryEngine": "registry_engine",
+    "get_registry": "ray_engines",
+    "ray_engine": "registry_engine",
+    "register_actor": "ray_engines",
+    "register_server": "ray_engines",
+    "start_engine_actor": "ray_engines",
+}
 
 
 def __getattr__(name: str) -> Any:
     """Import the Ray-backed names on first use."""
     if name in _NEED_RAY:
-        from turnrl.distributed import ray_envs
+        import importlib
 
-        return getattr(ray_envs, name)
+        return getattr(importlib.import_module(f"turnrl.distributed.{_NEED_RAY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["RayEnvConfig", "RayEnvFactory", "RayEnvPool", "RemoteEnv", "ray_env_factory"]
+__all__ = [
+    "RayEngine",
+    "RayEngineConfig",
+    "RayEnvConfig",
+    "RayEnvFactory",
+    "RayEnvPool",
+    "RegistryEngine",
+    "RemoteEnv",
+    "get_registry",
+    "ray_engine",
+    "ray_env_factory",
+    "register_actor",
+    "register_server",
+    "start_engine_actor",
+]

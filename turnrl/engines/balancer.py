@@ -16,6 +16,9 @@
 - ``abort_all`` aborts on every engine; ``update_weights`` updates every healthy engine to
   one new version (an engine that is down then keeps its old weights: its
   ``EngineStats.weight_version`` says which it has).
+- The engine list can change while it runs: ``add_engine`` appends one (new sessions go to it
+  first, having served the fewest), ``retire`` takes one out for good (its sessions move on
+  their next call, calls already on it finish there, it is no longer aborted or updated).
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ class EngineStats:
     down_until: float = 0.0  # monotonic time until which the engine gets no new requests
     last_error: str = ""  # why it was last marked down
     weight_version: int | None = None  # the version its last weight update through the balancer set
+    retired: bool = False  # taken out for good (``BalancedEngine.retire``)
 
     def healthy(self, now: float) -> bool:
         """Whether the engine may take new requests."""
-        return now >= self.down_until
+        return not self.retired and now >= self.down_until
 
 
 @dataclass
@@ -125,6 +129,22 @@ class BalancedEngine:
             self._mark_down(retry, exc)
             raise EngineError(f"{first}; then {self.stats[retry].name} failed: {exc}") from exc
 
+    def add_engine(self, engine: Engine, name: str | None = None) -> int:
+        """Add an engine while the balancer runs; its index."""
+        label = name or getattr(engine, "base_url", None) or f"engine{len(self.engines)}"
+        self.engines.append(engine)
+        self.stats.append(EngineStats(str(label)))
+        return len(self.engines) - 1
+
+    def retire(self, index: int) -> Engine:
+        """Take an engine out for good (the caller closes it); calls already on it finish there."""
+        self.stats[index].retired = True
+        return self.engines[index]
+
+    def active(self) -> list[int]:
+        """Indices of the engines not retired."""
+        return [i for i, s in enumerate(self.stats) if not s.retired]
+
     def forget(self, session: str) -> None:
         """Drop a finished session's binding (optional: old sessions are evicted anyway)."""
         self._sessions.pop(session, None)
@@ -135,17 +155,16 @@ class BalancedEngine:
         return [s.healthy(now) for s in self.stats]
 
     async def abort_all(self) -> None:
-        """Abort the generations in flight on every engine (each must have ``abort_all``)."""
+        """Abort the generations in flight on every engine not retired (each must have ``abort_all``)."""
+        targets = self.active()
         missing = [
-            s.name
-            for e, s in zip(self.engines, self.stats, strict=True)
-            if not callable(getattr(e, "abort_all", None))
+            self.stats[i].name for i in targets if not callable(getattr(self.engines[i], "abort_all", None))
         ]
         if missing:
             raise TypeError(f"cannot abort generations in flight on {', '.join(missing)} (no abort_all)")
-        calls = (cast(_Abortable, e).abort_all() for e in self.engines)
+        calls = (cast(_Abortable, self.engines[i]).abort_all() for i in targets)
         results = await asyncio.gather(*calls, return_exceptions=True)
-        self._raise_failures("abort_all", range(len(self.engines)), results)
+        self._raise_failures("abort_all", targets, results)
 
     async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
         """Update every healthy engine to one new version and return it.
@@ -156,7 +175,7 @@ class BalancedEngine:
         now = time.monotonic()
         targets = [i for i, s in enumerate(self.stats) if s.healthy(now)]
         if not targets:
-            raise EngineError(f"no healthy engine among {len(self.engines)} to update")
+            raise EngineError(f"no healthy engine among {len(self.active())} to update")
         new = self._version + 1 if version is None else version
         calls = (cast(WeightUpdatable, self.engines[i]).update_weights(weights, version=new) for i in targets)
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -187,7 +206,7 @@ class BalancedEngine:
         candidates = [i for i, s in enumerate(self.stats) if s.healthy(now) and i != exclude]
         if not candidates:
             detail = f" ({reason})" if reason else ""
-            raise EngineError(f"no healthy engine among {len(self.engines)}{detail}")
+            raise EngineError(f"no healthy engine among {len(self.active())}{detail}")
         binding = self._sessions.get(session) if session is not None else None
         if binding is not None and self._keep(binding, candidates):
             binding.turns += 1

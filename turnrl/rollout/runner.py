@@ -14,12 +14,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import DataConfig, RunConfig
+from turnrl.config import DataConfig, EngineConfig, RunConfig
 from turnrl.data import read_rows, to_samples
 from turnrl.engines.base import Engine
 from turnrl.env.base import EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.imports import import_object
+from turnrl.models import load_vision_processor
 from turnrl.rewards import register_reward
 from turnrl.rollout.collector import JsonlWriter, collect, recover
 from turnrl.rollout.loop import RolloutSpec, TurnHook
@@ -59,32 +60,50 @@ def load_samples(data: DataConfig, entry: EnvEntry) -> list[Sample]:
 
 
 def build_engine(config: RunConfig) -> tuple[Engine, Any]:
-    """The engine and the tokenizer for ``config.model``."""
-    e = config.engine
+    """The engine and the tokenizer for ``config.model``: in this process, or on Ray (``engine.ray``)."""
+    if config.engine.ray.enabled:
+        return _ray_engine(config)
+    return local_engine(config.model, config.engine)
+
+
+def local_engine(model: str, e: EngineConfig) -> tuple[Engine, Any]:
+    """The engine ``e`` describes, in this process (servers: their clients), and the tokenizer."""
     if e.kind == "hf":
         from turnrl.engines.hf import HFEngine
 
-        engine = HFEngine.from_spec(
-            config.model, max_batch_size=e.max_batch_size, dtype=e.dtype, device=e.device
-        )
+        engine = HFEngine.from_spec(model, max_batch_size=e.max_batch_size, dtype=e.dtype, device=e.device)
         return engine, engine.tokenizer
     from turnrl.models import load_tokenizer, resolve_model
 
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(model)
     if e.kind == "vllm":
         from turnrl.engines.vllm_inproc import VLLMEngine
 
-        return VLLMEngine(resolve_model(config.model).path, **e.vllm_kwargs), tokenizer
-    return _server_engine(config, tokenizer), tokenizer
+        return VLLMEngine(resolve_model(model).path, **e.vllm_kwargs), tokenizer
+    return server_engine(e, tokenizer), tokenizer
 
 
-def _server_engine(config: RunConfig, tokenizer: Any) -> Engine:
+def _ray_engine(config: RunConfig) -> tuple[Engine, Any]:
+    """Engine actors on Ray and / or the engines of a registry (``engine.ray``)."""
+    from turnrl.models import load_tokenizer
+
+    try:
+        from turnrl.distributed.registry_engine import ray_engine
+    except ImportError as exc:
+        raise RunError(f"engine.ray.enabled needs ray: pip install 'turnrl[ray]' ({exc})") from None
+    tokenizer = load_tokenizer(config.model)
+    try:
+        return ray_engine(config.model, config.engine, tokenizer), tokenizer
+    except TimeoutError as exc:
+        raise RunError(str(exc)) from None
+
+
+def server_engine(e: EngineConfig, tokenizer: Any) -> Engine:
     """OpenAI-compatible or SGLang servers; several URLs go behind a load balancer."""
     from turnrl.engines.balancer import BalancedEngine
     from turnrl.engines.openai import OpenAIEngine
     from turnrl.engines.sglang import SGLangEngine
 
-    e = config.engine
     if not e.urls:
         raise RunError(f"engine.kind {e.kind!r} needs engine.urls (the servers' base URLs)")
     eos = [i for i in (tokenizer.eos_token_id,) if i is not None]
@@ -159,7 +178,9 @@ def prepare(config: RunConfig, overwrite: bool = False, resume: bool = False) ->
     spec = RolloutSpec(
         env_factory=build_env_factory(config, entry),
         engine=engine,
-        encoder=ChatEncoder(tokenizer, config.chat.template_kwargs),
+        encoder=ChatEncoder(
+            tokenizer, config.chat.template_kwargs, load_vision_processor(config.model, tokenizer)
+        ),
         sampling=config.sampling.params(seed=config.rollout.seed),
         limits=config.limits.limits(),
         check=config.chat.check,
