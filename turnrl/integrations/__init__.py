@@ -1,0 +1,1 @@
+"""Trainer integrations. Each lives in its own module and imports its trainer only when used."""
