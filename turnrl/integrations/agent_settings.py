@@ -1,0 +1,240 @@
+"""What a trainer's agent-loop hook (verl, slime) takes from a turnrl config.
+
+The trainer owns the model, the data, the inference servers and the sampling distribution; a turnrl
+config used with it keeps the rest. ``load_settings(path, overrides)`` reads a ``turnrl rollout`` or
+``turnrl train`` config and keeps ``env``, ``chat``, ``sampling``, ``limits`` and ``rewards``; every
+other key (model, data, engine, rollout, train...) is the trainer's business and is ignored.
+
+Length limits: the trainer's budget (its response length, its context) applies; a limit the turnrl
+config sets explicitly can only tighten it. ``sampling.max_tokens`` caps one model turn when the
+config sets it, else one turn may use the whole response budget. Temperature, top-p and top-k come
+from the trainer, since its loss is computed under the distribution it asked for.
+
+Rewards: ``tracked_reward`` computes turnrl's final reward (the routed reward function, else the
+env's ``score``, else the sum of step rewards) and remembers whether one was really computed;
+``computed_reward`` gives it back, or None when the env gave nothing (no reward function, no score,
+only zero step rewards), so the trainer's own reward function scores that trajectory instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.config import ChatConfig, EnvConfig, LimitsConfig, SamplingConfig, _first_error
+from turnrl.data import sample_from_row
+from turnrl.env.base import EnvFactory
+from turnrl.env.registry import resolve_env
+from turnrl.imports import import_object
+from turnrl.rewards import RewardContext, register_reward, reward_fn_for
+from turnrl.rollout.loop import Limits
+from turnrl.types import Sample, Trajectory
+
+ENV_FIELD = "turnrl_env"  # a data row's own env: a registered name, module:Class, or {name, kwargs}
+REWARD_SOURCE = "reward_source"  # trajectory.metrics key: reward_fn / env_score / step_rewards
+NO_LIMIT = 2**62  # a context limit nobody set
+
+
+class SettingsError(ValueError):
+    """A turnrl config (or an override, or a row's env) that cannot be used; the message says why."""
+
+
+class AgentSettings(BaseModel):
+    """The part of a turnrl config that a trainer integration uses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: EnvConfig | None = None  # None: every data row names its env in ENV_FIELD
+    chat: ChatConfig = Field(default_factory=ChatConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)  # only max_tokens is used, if set
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    rewards: dict[str, str] = Field(default_factory=dict)  # data_source -> "module:function"
+
+
+_LOCK = threading.Lock()
+_SETTINGS: dict[str, AgentSettings] = {}
+_FACTORIES: dict[str, EnvFactory] = {}
+_ENCODERS: dict[tuple[int, str], tuple[Any, ChatEncoder]] = {}
+
+
+def plain(value: Any) -> Any:
+    """Numpy arrays and scalars (how trainers hand over row fields) as plain Python values."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist) and type(value).__module__ == "numpy":
+        return plain(tolist())
+    return value
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``extra`` over ``base``, mappings merged key by key."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise SettingsError(f"turnrl config not found: {file}")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"turnrl config {file} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"turnrl config {file} must hold a mapping at the top")
+    return {k: v for k, v in data.items() if k in AgentSettings.model_fields}
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> AgentSettings:
+    """Settings from a turnrl config file (trainer-owned keys ignored) with ``overrides`` on top
+    (these may hold only settings keys): an ``env`` there replaces the config's env whole, the other
+    sections are merged key by key. The reward functions are registered. Cached: each (path,
+    overrides) is read once per process."""
+    overrides = plain(dict(overrides or {}))
+    key = json.dumps([os.fspath(path) if path else None, overrides], sort_keys=True, default=str)
+    with _LOCK:
+        if key in _SETTINGS:
+            return _SETTINGS[key]
+    data = _merge(_read(path) if path else {}, {k: v for k, v in overrides.items() if k != "env"})
+    if "env" in overrides:  # another env: its kwargs are not the config env's
+        data["env"] = overrides["env"]
+    try:
+        settings = AgentSettings.model_validate(data)
+    except ValidationError as exc:
+        raise SettingsError(f"turnrl settings: {_first_error(exc)}") from None
+    for source, spec in settings.rewards.items():
+        register_reward(source, import_object(spec, f"reward for {source!r}"))
+    with _LOCK:
+        return _SETTINGS.setdefault(key, settings)
+
+
+def env_factory(settings: AgentSettings, row_env: Any = None) -> EnvFactory:
+    """The env of a row: its own ``turnrl_env`` when it has one, else the settings' env (cached)."""
+    if row_env is not None:
+        try:
+            config = (
+                EnvConfig(name=row_env) if isinstance(row_env, str) else EnvConfig.model_validate(row_env)
+            )
+        except ValidationError as exc:
+            raise SettingsError(f"data row field {ENV_FIELD!r}: {_first_error(exc)}") from None
+    elif settings.env is not None:
+        config = settings.env
+    else:
+        raise SettingsError(f"no env: set env in the turnrl config or a {ENV_FIELD!r} field in each data row")
+    key = config.model_dump_json()
+    with _LOCK:
+        if key in _FACTORIES:
+            return _FACTORIES[key]
+    entry = resolve_env(config.name)
+    factory: EnvFactory = entry.bind(config.kwargs)
+    if config.ray.enabled:
+        from turnrl.distributed import ray_env_factory
+
+        factory = ray_env_factory(entry.factory, config.kwargs, config.ray)
+    with _LOCK:
+        return _FACTORIES.setdefault(key, factory)
+
+
+def chat_encoder(tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None) -> ChatEncoder:
+    """One ChatEncoder per (tokenizer, template kwargs) in this process, so each template is probed once."""
+    kwargs = plain(dict(template_kwargs or {}))
+    key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str))
+    with _LOCK:
+        cached = _ENCODERS.get(key)
+        if cached is not None and cached[0] is tokenizer:
+            return cached[1]
+        encoder = ChatEncoder(tokenizer, kwargs)
+        _ENCODERS[key] = (tokenizer, encoder)
+        return encoder
+
+
+def trainer_limits(
+    settings: AgentSettings, *, max_response_tokens: int, max_context_tokens: int | None = None
+) -> Limits:
+    """The trainer's length budget, tightened by what the turnrl config sets explicitly."""
+    mine = settings.limits
+    explicit = mine.model_fields_set
+    response = int(max_response_tokens)
+    if "max_response_tokens" in explicit and mine.max_response_tokens is not None:
+        response = min(response, mine.max_response_tokens)
+    context = int(max_context_tokens) if max_context_tokens is not None else NO_LIMIT
+    if "max_context_tokens" in explicit:
+        context = min(context, mine.max_context_tokens)
+    return Limits(
+        max_turns=mine.max_turns,
+        max_context_tokens=context,
+        max_response_tokens=response,
+        max_env_retries_per_turn=mine.max_env_retries_per_turn,
+        env_timeout_s=mine.env_timeout_s,
+    )
+
+
+def turn_max_tokens(settings: AgentSettings, response_budget: int) -> int:
+    """Tokens one model turn may sample: the config's ``sampling.max_tokens`` if set, else the budget."""
+    if "max_tokens" in settings.sampling.model_fields_set:
+        return max(1, min(settings.sampling.max_tokens, response_budget))
+    return max(1, response_budget)
+
+
+def trainer_sample(prompt: Any, fields: Mapping[str, Any], default_id: str) -> Sample:
+    """A turnrl Sample from a trainer's row: ``prompt`` (chat messages or a string); ``id``,
+    ``data_source``, ``tools``, ``tools_kwargs`` when the row has them; every other field in
+    ``metadata``, and the keys of ``extra_info`` (verl's) and ``metadata`` (slime's) too, where no
+    field of the same name exists."""
+    row = {k: v for k, v in plain(dict(fields)).items() if k != ENV_FIELD}
+    row["prompt"] = plain(prompt)
+    row.setdefault("id", default_id)
+    if row.get("id") is None:
+        row["id"] = default_id
+    sample = sample_from_row(row, 0, "the trainer's data")
+    extra = row.get("extra_info")
+    if isinstance(extra, Mapping):
+        for key, value in extra.items():
+            sample.metadata.setdefault(key, value)
+    return sample
+
+
+async def tracked_reward(ctx: RewardContext) -> float:
+    """turnrl's final reward (routed function, else env score, else sum of step rewards), noting in
+    ``metrics[REWARD_SOURCE]`` where it came from; nothing is noted when the env gave nothing."""
+    traj = ctx.trajectory
+    fn = reward_fn_for(ctx.sample.data_source)
+    if fn is not None:
+        value = fn(ctx)
+        reward = float(await value) if inspect.isawaitable(value) else float(value)
+        traj.metrics[REWARD_SOURCE] = "reward_fn"
+        return reward
+    score = await ctx.env.score(traj)
+    if score is not None:
+        traj.metrics[REWARD_SOURCE] = "env_score"
+        return float(score)
+    if any(r != 0.0 for r in traj.turn_rewards):
+        traj.metrics[REWARD_SOURCE] = "step_rewards"
+    return float(sum(traj.turn_rewards))
+
+
+def computed_reward(traj: Trajectory) -> float | None:
+    """The trajectory's reward when turnrl computed one (see ``tracked_reward``), else None."""
+    if REWARD_SOURCE not in traj.metrics or not math.isfinite(traj.reward):
+        return None
+    return float(traj.reward)
