@@ -46,6 +46,8 @@ _BUILTIN = {
     "guess_number": "turnrl.envs.guess_number:GuessNumberEnv",
     "textarena": "turnrl.envs.textarena_env:TextArenaEnv",
     "swift_scheduler": "turnrl.envs.swift_scheduler:ThinkingTipsEnv",
+    "frozen_lake": "turnrl.envs.frozen_lake:FrozenLakeEnv",
+    "zoom": "turnrl.envs.zoom:ZoomEnv",
 }
 
 

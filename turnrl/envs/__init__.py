@@ -6,4 +6,8 @@
 - ``swift_scheduler``: ms-swift's scheduler style (``check_finished`` / ``step``) as an env, with a port
   of its thinking-tips scheduler.
 - ``tool_env``: tools from a verl-style YAML, chosen per row, with a verl-style reward tool.
+- ``frozen_lake``: gymnasium's FrozenLake-v1 for vision-language models, the board shown as an image
+  each turn.
+- ``zoom``: read a tiny code in a grid image with a ``zoom`` tool that returns an enlarged crop (images in
+  tool results).
 """

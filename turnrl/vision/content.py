@@ -103,9 +103,15 @@ def data_url(image: Any, fmt: str = "PNG") -> str:
 
 
 def messages_to_json(messages: Sequence[Message], images: Sequence[Any]) -> list[Message]:
-    """Messages with each PIL image replaced by ``{"type": "image", "image_index": k}`` into ``images``."""
-    index = {id(image): k for k, image in enumerate(images)}
+    """Messages with each PIL image replaced by ``{"type": "image", "image_index": k}`` into ``images``.
+
+    Image parts appear in the messages in the order of ``images``; the k-th part is image k
+    (the same picture may appear twice and still gets two indices)."""
+    index: dict[int, int] = {}
+    for k, image in enumerate(images):
+        index.setdefault(id(image), k)
     out: list[Message] = []
+    seen = 0
     for message in messages:
         content = message.get("content")
         if isinstance(content, str) or not content:
@@ -114,7 +120,10 @@ def messages_to_json(messages: Sequence[Message], images: Sequence[Any]) -> list
         parts = []
         for part in content:
             image = part.get("image") if isinstance(part, dict) else None
-            if image is not None and id(image) in index:
+            if image is not None and seen < len(images) and images[seen] is image:
+                parts.append({"type": "image", "image_index": seen})
+                seen += 1
+            elif image is not None and id(image) in index:
                 parts.append({"type": "image", "image_index": index[id(image)]})
             else:
                 parts.append(part)
