@@ -73,10 +73,12 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_tokens: int = Field(256, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list)  # extra stop tokens, on top of the eos ids
 
     def params(self, seed: int | None = None) -> SamplingParams:
         """The engine's sampling params."""
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens, seed=seed)
+        stops = tuple(self.stop_token_ids)
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens, stops, seed)
 
 
 class LimitsConfig(_Strict):

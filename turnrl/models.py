@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,23 +112,36 @@ def build_tiny_qwen3(out_dir: str | Path, num_layers: int = 4, hidden_size: int 
 
     The weights depend only on the arguments; a folder already built with the same ones is kept.
     """
-    out = Path(out_dir).expanduser()
     recipe = {"format": _TINY_FORMAT, "num_layers": num_layers, "hidden_size": hidden_size, "seed": seed}
-    marker = out / _TINY_MARKER
+    return build_once(
+        out_dir, recipe, _TINY_MARKER, lambda tmp: _write_tiny_qwen3(tmp, num_layers, hidden_size, seed)
+    )
+
+
+def build_once(
+    out_dir: str | Path, recipe: dict[str, Any], marker_name: str, write: Callable[[Path], None]
+) -> Path:
+    """Build a folder with ``write`` unless ``out_dir`` already holds one built from ``recipe``.
+
+    The folder is written beside ``out_dir`` and moved into place, so a reader (or another
+    process building the same thing) sees no folder or the whole new one.
+    """
+    out = Path(out_dir).expanduser()
+    marker = out / marker_name
     if marker.is_file() and json.loads(marker.read_text()) == recipe:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(
         dir=out.parent, prefix=f".{out.name}-", ignore_cleanup_errors=True
     ) as tmp:
-        _write_tiny_qwen3(Path(tmp), num_layers, hidden_size, seed)
-        (Path(tmp) / _TINY_MARKER).write_text(json.dumps(recipe))
+        write(Path(tmp))
+        (Path(tmp) / marker_name).write_text(json.dumps(recipe))
         shutil.rmtree(out, ignore_errors=True)
         try:
-            os.replace(tmp, out)  # a reader sees no folder or the whole new one
+            os.replace(tmp, out)
         except OSError:
             if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
-                raise  # not another process that built the same model meanwhile
+                raise  # not another process that built the same folder meanwhile
     return out
 
 

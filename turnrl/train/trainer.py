@@ -38,7 +38,7 @@ from turnrl.env.registry import resolve_env
 from turnrl.imports import import_object
 from turnrl.models import load_model, load_tokenizer, resolve_model
 from turnrl.rewards import register_reward
-from turnrl.rollout.collector import collect
+from turnrl.rollout.collector import OnDone, collect
 from turnrl.rollout.loop import RolloutSpec
 from turnrl.rollout.runner import load_samples
 from turnrl.train.advantages import compute_advantages
@@ -48,6 +48,7 @@ from turnrl.train.config import TrainConfig
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
 from turnrl.train.metrics import MetricsLog, make_tracker, plot_rewards, rollout_metrics
+from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
 from turnrl.types import Sample
 
@@ -69,6 +70,14 @@ class Run:
     out_dir: Path
     step: int = 0  # training steps done
     resumed: bool = False  # restored from a checkpoint (the step-0 evaluation and warm start are done)
+    progress: TrainProgress | None = None  # the console's progress bars, while training runs
+
+    def phase(self, name: str, total: int) -> OnDone | None:
+        """Show a phase of ``total`` trajectories; the callback that counts them."""
+        if self.progress is None:
+            return None
+        self.progress.phase(name, total)
+        return self.progress.trajectory_done
 
 
 def trainable_parameters(model: Any, patterns: list[str]) -> list[torch.nn.Parameter]:
@@ -204,7 +213,8 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     if out_path is not None:
         out_path.unlink(missing_ok=True)  # a resumed run redoes the step
     spec = dataclasses.replace(run.spec, sampling=sampling)
-    trajs = await collect(prompts, spec, cfg.train.group_size, cfg.train.concurrency, out_path)
+    on_done = run.phase(f"step {step} rollout", len(prompts) * cfg.train.group_size)
+    trajs = await collect(prompts, spec, cfg.train.group_size, cfg.train.concurrency, out_path, on_done)
     trajs.sort(key=lambda t: (t.group_id, t.sample_index))
     t1 = time.perf_counter()
     advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
@@ -236,7 +246,8 @@ async def evaluate(run: Run, step: int, name: str = "") -> dict[str, float]:
     spec = dataclasses.replace(run.spec, sampling=sampling)
     out_path = run.out_dir / "eval" / f"{name or f'step_{step:06d}'}.jsonl"
     out_path.unlink(missing_ok=True)
-    trajs = await collect(run.eval_samples, spec, cfg.eval.n, cfg.train.concurrency, out_path)
+    on_done = run.phase(f"eval {name or step}", len(run.eval_samples) * cfg.eval.n)
+    trajs = await collect(run.eval_samples, spec, cfg.eval.n, cfg.train.concurrency, out_path, on_done)
     return rollout_metrics(trajs, "eval/") | {"time/eval": time.perf_counter() - t0}
 
 
@@ -270,19 +281,23 @@ async def train_async(
     tracker = make_tracker(config.train.tracker, run.out_dir, config.model_dump(mode="json"))
     log = MetricsLog(run.out_dir, console, tracker, run.step if run.resumed else None)
     steps, first = config.train.steps, run.step
+    run.progress = TrainProgress(console, steps, first)
     try:
-        if not run.resumed:
-            log.log(0, steps, await _start(run))
-        metrics: dict[str, float] = {}
-        for step in range(first + 1, steps + 1):
-            metrics = await train_step(run, step)
-            if _due(step, config.eval.every, steps):
-                metrics |= await evaluate(run, step)
-            run.step = step
-            log.log(step, steps, metrics)
-            if _due(step, config.train.save_every, steps):
-                _save(run, step)
+        with run.progress:
+            if not run.resumed:
+                log.log(0, steps, await _start(run))
+            metrics: dict[str, float] = {}
+            for step in range(first + 1, steps + 1):
+                metrics = await train_step(run, step)
+                if _due(step, config.eval.every, steps):
+                    metrics |= await evaluate(run, step)
+                run.step = step
+                log.log(step, steps, metrics)
+                if _due(step, config.train.save_every, steps):
+                    _save(run, step)
+                run.progress.step_done(step)
     finally:
+        run.progress = None
         log.close()
         await run.engine.close()
     if config.train.plot:

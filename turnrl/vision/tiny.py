@@ -7,12 +7,10 @@ examples need: exact token and logprob bookkeeping does not care whether the wei
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from turnrl.models import TINY_VLMS
+from turnrl.models import TINY_VLMS, build_once
 from turnrl.vision.templates import QWEN2_VL_CHAT_TEMPLATE, QWEN3_VL_CHAT_TEMPLATE
 
 _FORMAT = 1
@@ -70,24 +68,8 @@ def _configs(kind: str, vocab_size: int) -> tuple[Any, Any, int, str]:
 def build_tiny_vlm(kind: str, out_dir: str | Path, seed: int = 0, max_pixels: int = 128 * 128) -> Path:
     """Write a tiny ``kind`` model (see ``TINY_VLMS``), its tokenizer, chat template and image
     processor config into ``out_dir``; a folder already built with the same recipe is kept."""
-    out = Path(out_dir).expanduser()
     recipe = {"format": _FORMAT, "kind": kind, "seed": seed, "max_pixels": max_pixels}
-    marker = out / _MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == recipe:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(
-        dir=out.parent, prefix=f".{out.name}-", ignore_cleanup_errors=True
-    ) as tmp:
-        _write(kind, Path(tmp), seed, max_pixels)
-        (Path(tmp) / _MARKER).write_text(json.dumps(recipe))
-        shutil.rmtree(out, ignore_errors=True)
-        try:
-            Path(tmp).replace(out)
-        except OSError:
-            if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
-                raise
-    return out
+    return build_once(out_dir, recipe, _MARKER, lambda tmp: _write(kind, tmp, seed, max_pixels))
 
 
 def _write(kind: str, out: Path, seed: int, max_pixels: int) -> None:
