@@ -17,7 +17,7 @@ from turnrl.config import ConfigError
 from turnrl.engines.base import SamplingParams
 from turnrl.env import Env, StepResult, register_env
 from turnrl.train.batch import step_prompts
-from turnrl.train.config import TrainConfig, load_train_config
+from turnrl.train.config import LoraSettings, TrainConfig, load_train_config
 from turnrl.train.metrics import read_metrics
 from turnrl.train.trainer import build_run, train, train_step
 from turnrl.types import Sample, Trajectory
@@ -166,3 +166,51 @@ def test_warm_start_runs_once_and_is_checkpointed(tmp_path: Path, tiny_qwen3_dir
         console=QUIET,
     )
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]  # no second warm start
+
+
+def lora_config(tmp_path: Path, model: Path, **train: Any) -> TrainConfig:
+    cfg = config(tmp_path, model, **train)
+    return cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lora": LoraSettings(r=4)})})
+
+
+async def test_lora_trains_adapters_only_and_serves_merged_weights(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    run = build_run(lora_config(tmp_path, tiny_qwen3_dir), overwrite=False, resume=False, console=QUIET)
+    base_before = {
+        k: v.clone() for k, v in run.policy.get_base_model().state_dict().items() if "lora_" not in k
+    }
+    engine_before = {k: v.clone() for k, v in run.engine.model.state_dict().items()}
+    try:
+        metrics = await train_step(run, 1)
+    finally:
+        await run.engine.close()
+    assert metrics["train/samples"] > 0
+    trained = {n for n, p in run.policy.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    base_after = {k: v for k, v in run.policy.get_base_model().state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(base_before[k], base_after[k]) for k in base_before)  # the base is frozen
+    served = run.engine.model.state_dict()
+    changed = {k for k in served if not torch.equal(served[k], engine_before[k])}
+    assert changed and all(k.endswith("_proj.weight") for k in changed)  # only the adapted layers
+    # the engine's weights are exactly base + scale * B @ A: its logits equal the adapted policy's
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(run.engine.model(ids).logits, run.policy(ids).logits, atol=1e-4, rtol=1e-4)
+    assert run.engine.weight_version == 1
+
+
+def test_lora_checkpoints_hold_adapters_and_resume(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    cfg = lora_config(tmp_path, tiny_qwen3_dir, save_every=1)
+    out = Path(cfg.output_dir)
+    train(cfg, console=QUIET)
+    step2 = out / "checkpoints" / "step_000002" / "model"
+    assert (step2 / "adapter_config.json").is_file() and not (step2 / "model.safetensors").exists()
+    straight = load_file(str(step2 / "adapter_model.safetensors"))
+    shutil.rmtree(out / "checkpoints" / "step_000002")
+    train(cfg, resume=True, console=QUIET)
+    resumed = load_file(str(step2 / "adapter_model.safetensors"))
+    assert straight.keys() == resumed.keys()
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=1e-4)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]

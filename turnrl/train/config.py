@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from turnrl.config import (
     ChatConfig,
@@ -71,6 +71,17 @@ class AlgorithmConfig(_Strict):
         )
 
 
+class LoraSettings(_Strict):
+    """LoRA adapters (peft) instead of full-parameter training."""
+
+    r: int = Field(8, ge=1)  # rank
+    alpha: int = Field(16, ge=1)  # scale = alpha / r
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
 class OptimConfig(_Strict):
     """AdamW with linear warm-up, then a constant rate."""
 
@@ -80,6 +91,13 @@ class OptimConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0)  # max global grad norm
     warmup_steps: int = Field(0, ge=0)  # optimizer steps
     trainable: list[str] = Field(default_factory=list)  # regexes of parameter names to train (empty: all)
+    lora: LoraSettings | None = None  # train LoRA adapters only (needs peft); exclusive with trainable
+
+    @model_validator(mode="after")
+    def _one_way_to_choose(self) -> OptimConfig:
+        if self.lora is not None and self.trainable:
+            raise ValueError("optim.lora and optim.trainable exclude each other: LoRA trains its adapters")
+        return self
 
 
 class TrainLoopConfig(_Strict):

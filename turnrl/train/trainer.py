@@ -46,6 +46,7 @@ from turnrl.train.batch import Batch, build_samples, collate, micro_batches, ste
 from turnrl.train.checkpoint import restore_training_state, save_checkpoint, start_output
 from turnrl.train.config import TrainConfig
 from turnrl.train.logprobs import token_logprobs
+from turnrl.train.lora import saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
 from turnrl.train.metrics import MetricsLog, make_tracker, plot_rewards, rollout_metrics
 from turnrl.train.progress import TrainProgress
@@ -104,15 +105,25 @@ def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Conso
     spec = resolve_model(config.model)
     tokenizer = load_tokenizer(spec)
     device = config.engine.device
-    policy = load_model(str(resumed.model_dir) if resumed else spec, device=device)
-    ref = load_model(spec, device=device).requires_grad_(False) if config.algorithm.kl_coef > 0 else None
     opt = config.optim
-    params = trainable_parameters(policy, opt.trainable)
+    adapters = resumed.model_dir if resumed and saved_adapter(resumed.model_dir) else None
+    policy = load_model(str(resumed.model_dir) if resumed and not adapters else spec, device=device)
+    ref = load_model(spec, device=device).requires_grad_(False) if config.algorithm.kl_coef > 0 else None
+    engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, config.engine.dtype))
+    if opt.lora is not None:
+        policy = wrap_lora(policy, opt.lora, adapters)
+        params = [p for p in policy.parameters() if p.requires_grad]
+        if adapters is not None:  # a resume: the engine's copy of the base model gets the adapters merged
+            merged, _ = serving_weights(policy)
+            engine_model.load_state_dict(
+                {k: v.to(engine_model.dtype) for k, v in merged.items()}, strict=False
+            )
+    else:
+        params = trainable_parameters(policy, opt.trainable)
     optimizer = torch.optim.AdamW(params, opt.lr, opt.betas, weight_decay=opt.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
     )
-    engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, config.engine.dtype))
     engine = HFEngine(engine_model, tokenizer, max_batch_size=config.engine.max_batch_size)
     rollout = RolloutSpec(
         env_factory=entry.bind(config.env.kwargs),
@@ -230,7 +241,7 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
         metrics |= _prepare(run, batches)
         metrics |= update_policy(run, batches, tokens)
     t2 = time.perf_counter()
-    await run.engine.update_weights(run.policy.state_dict())
+    await push_weights(run)
     t3 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/train": t2 - t1}
     return metrics | {"time/sync": t3 - t2, "time/step": t3 - t0}
@@ -258,9 +269,15 @@ async def _start(run: Run) -> dict[str, float]:
         return await evaluate(run, 0)
     record = {f"base/{k}": v for k, v in (await evaluate(run, 0, "base")).items()}
     record |= await warm_start(run.policy, run.spec, run.config)
-    await run.engine.update_weights(run.policy.state_dict())
+    await push_weights(run)
     _save(run, 0)  # a resume never redoes the warm start
     return record | await evaluate(run, 0)
+
+
+async def push_weights(run: Run) -> None:
+    """Put the policy's weights into the engine (with LoRA: the adapted layers, merged)."""
+    weights, whole = serving_weights(run.policy)
+    await run.engine.update_weights(weights, strict=whole)
 
 
 def _save(run: Run, step: int) -> None:
