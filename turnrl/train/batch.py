@@ -20,11 +20,13 @@ import random
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
 from turnrl.train.advantages import TurnAdvantages
 from turnrl.types import Sample, Trajectory
+from turnrl.vision.buffer import merge_inputs
 
 
 @dataclass
@@ -37,6 +39,7 @@ class TrainSample:
     advantages: list[float]  # the advantage of each token (0.0 where mask is 0)
     trajectory_id: str = ""  # the trajectory it comes from
     turn: int | None = None  # the model turn, in ``turn`` mode
+    multimodal: dict[str, torch.Tensor] = field(default_factory=dict)  # its images' inputs (VLMs)
 
 
 def _token_advantages(traj: Trajectory, turn_advantages: list[float]) -> list[float]:
@@ -66,6 +69,7 @@ def trajectory_samples(trajs: Sequence[Trajectory], advantages: TurnAdvantages) 
                 rollout_logprobs=[0.0] * context + traj.rollout_logprobs,
                 advantages=[0.0] * context + _token_advantages(traj, adv),
                 trajectory_id=traj.id,
+                multimodal=dict(traj.multimodal_inputs),
             )
         )
     return out
@@ -77,6 +81,10 @@ def turn_samples(trajs: Sequence[Trajectory], advantages: TurnAdvantages) -> lis
     for traj, adv in zip(trajs, advantages, strict=True):
         if not _trainable(traj):
             continue
+        if traj.images:
+            raise ValueError(
+                "step-wise samples (algorithm.samples: turn) do not take images yet: use trajectory"
+            )
         per_token = _token_advantages(traj, adv)
         model_turns = [t for t in traj.turns if t.role == "assistant"]
         for k, turn in enumerate(model_turns):
@@ -119,6 +127,7 @@ class Batch:
     advantages_B_T: torch.Tensor  # float
     old_logprobs_B_T: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # filled by the trainer
     ref_logprobs_B_T: torch.Tensor | None = None  # filled by the trainer when a KL term is on
+    multimodal: dict[str, torch.Tensor] = field(default_factory=dict)  # every row's images, row order
 
     @property
     def num_tokens(self) -> int:
@@ -127,8 +136,9 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch on ``device``."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return replace(self, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
+        moved: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        tensors = {k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)}
+        return replace(self, **tensors, multimodal={k: v.to(device) for k, v in self.multimodal.items()})
 
 
 def _pad(
@@ -150,6 +160,7 @@ def collate(samples: Sequence[TrainSample], pad_id: int) -> Batch:
         rollout_logprobs_B_T=rollout,
         advantages_B_T=_pad([s.advantages for s in samples], width, 0.0, torch.float32),
         old_logprobs_B_T=rollout.clone(),
+        multimodal=merge_inputs([s.multimodal for s in samples if s.multimodal]),
     )
 
 

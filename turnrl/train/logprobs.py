@@ -10,6 +10,7 @@ vocabulary that is the difference between gigabytes and megabytes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,12 +82,15 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 256,
+    multimodal: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``logprobs_B_T[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``.
 
     Only positions where ``positions_B_T`` is true are computed (default: every position from 1);
     the others, and position 0, are exactly 0 and get no gradient. ``chunk_size`` is the number
-    of positions projected through ``lm_head`` at a time.
+    of positions projected through ``lm_head`` at a time. ``multimodal`` holds a vision-language
+    model's image inputs for the batch (``pixel_values``, ``image_grid_thw``: every row's images,
+    in row order), as ``Trajectory.multimodal_inputs`` has them.
     """
     _check_plain_head(model)
     batch, length = input_ids_B_T.shape
@@ -96,8 +100,7 @@ def token_logprobs(
         else torch.ones_like(input_ids_B_T, dtype=torch.bool)
     )
     want_B_S = want_B_T[:, 1:]  # S = T - 1: the hidden state at s predicts the token at s + 1
-    body: Any = model.get_decoder()
-    hidden_B_T_H = body(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T).last_hidden_state
+    hidden_B_T_H = _hidden_states(model, input_ids_B_T, attention_mask_B_T, multimodal)
     hidden_N_H = hidden_B_T_H[:, :-1][want_B_S]
     targets_N = input_ids_B_T[:, 1:][want_B_S]
     head = model.get_output_embeddings()
@@ -113,6 +116,36 @@ def token_logprobs(
     logprobs_B_S = torch.zeros(batch, length - 1, dtype=dtype, device=input_ids_B_T.device)
     logprobs_B_S = logprobs_B_S.masked_scatter(want_B_S, logprobs_N)
     return F.pad(logprobs_B_S, (1, 0))
+
+
+def _hidden_states(
+    model: Any,
+    input_ids_B_T: torch.Tensor,
+    attention_mask_B_T: torch.Tensor | None,
+    multimodal: Mapping[str, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The last hidden states; with images, through the vision-language body with multimodal RoPE."""
+    if not multimodal:
+        body: Any = model.get_decoder()
+        return body(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T).last_hidden_state
+    vlm: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
+    token_types_B_T = (input_ids_B_T == vlm.config.image_token_id).int()
+    grid = multimodal["image_grid_thw"]
+    positions, _ = vlm.model.get_rope_index(
+        input_ids_B_T,
+        mm_token_type_ids=token_types_B_T,
+        image_grid_thw=grid,
+        attention_mask=attention_mask_B_T,
+    )
+    out = vlm.model(
+        input_ids=input_ids_B_T,
+        attention_mask=attention_mask_B_T,
+        position_ids=positions,
+        pixel_values=multimodal["pixel_values"].to(model.dtype),
+        image_grid_thw=grid,
+        use_cache=False,
+    )
+    return out.last_hidden_state
 
 
 def naive_token_logprobs(

@@ -76,7 +76,12 @@ def sft_epochs(
             for b in batches:
                 mask = b.loss_mask_B_T
                 logp = token_logprobs(
-                    model, b.input_ids_B_T, b.attention_mask_B_T, mask > 0, chunk_size=chunk_size
+                    model,
+                    b.input_ids_B_T,
+                    b.attention_mask_B_T,
+                    mask > 0,
+                    chunk_size=chunk_size,
+                    multimodal=b.multimodal,
                 )
                 loss = -(logp * mask).sum() / tokens
                 loss.backward()

@@ -36,7 +36,7 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.hf import HFEngine
 from turnrl.env.registry import resolve_env
 from turnrl.imports import import_object
-from turnrl.models import load_model, load_tokenizer, resolve_model
+from turnrl.models import load_model, load_tokenizer, load_vision_processor, resolve_model
 from turnrl.rewards import register_reward
 from turnrl.rollout.collector import OnDone, collect
 from turnrl.rollout.loop import RolloutSpec
@@ -124,11 +124,12 @@ def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Conso
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
     )
-    engine = HFEngine(engine_model, tokenizer, max_batch_size=config.engine.max_batch_size)
+    vision = load_vision_processor(spec, tokenizer)
+    engine = HFEngine(engine_model, tokenizer, max_batch_size=config.engine.max_batch_size, vision=vision)
     rollout = RolloutSpec(
         env_factory=entry.bind(config.env.kwargs),
         engine=engine,
-        encoder=ChatEncoder(tokenizer, config.chat.template_kwargs),
+        encoder=ChatEncoder(tokenizer, config.chat.template_kwargs, vision),
         sampling=config.sampling.params(),
         limits=config.limits.limits(),
         check=config.chat.check,
@@ -153,6 +154,7 @@ def _logprobs(model: Any, batch: Batch, config: TrainConfig) -> torch.Tensor:
         batch.loss_mask_B_T > 0,
         temperature=config.sampling.temperature or 1.0,
         chunk_size=config.train.logprob_chunk,
+        multimodal=batch.multimodal,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -30,7 +30,7 @@ class MultimodalBuffer:
         return merge_inputs(self._turns)
 
 
-def merge_inputs(turns: list[Mapping[str, Any]]) -> dict[str, Any]:
+def merge_inputs(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Concatenate each key's values along dim 0 (tensors) or as lists (anything else)."""
     import torch
 
