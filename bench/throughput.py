@@ -59,7 +59,7 @@ async def engine_side(engine: HFEngine, tokenizer: Any, args: argparse.Namespace
         made = 0
         for turn in range(args.turns):
             sampling = SamplingParams(max_tokens=args.tokens, seed=request_seed(0, sample, 0, turn))
-            gen = await engine.generate(seq, sampling)
+            gen = await engine.generate(seq, sampling, session=f"{sample.id}/0")  # as the rollout does
             made += len(gen.token_ids)
             if gen.finish_reason != "stop" or turn + 1 == args.turns:
                 break
@@ -76,7 +76,9 @@ async def engine_side(engine: HFEngine, tokenizer: Any, args: argparse.Namespace
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    engine = HFEngine.from_spec(args.model, max_batch_size=args.trajectories)
+    engine = HFEngine.from_spec(
+        args.model, max_batch_size=args.trajectories, prefix_cache_tokens=args.prefix_cache_tokens
+    )
     tokenizer = engine.tokenizer
     await engine_side(engine, tokenizer, argparse.Namespace(**{**vars(args), "trajectories": 4, "turns": 1}))
     counts: set[int] = set()
@@ -105,6 +107,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefix-cache-tokens", type=int, default=32768, help="0: no KV kept between turns")
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -261,3 +261,65 @@ async def test_smollm2_gguf_answers_with_its_chat_template() -> None:
         gen = await eng.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
     assert "Paris" in tokenizer.decode(gen.token_ids)
     assert gen.finish_reason == "stop" and gen.token_ids[-1] == tokenizer.eos_token_id
+
+
+async def session_rollouts(model: Any, tokenizer: Any, cache_tokens: int) -> tuple[list[Any], dict[str, int]]:
+    """Four 3-turn trajectories (model, echo, model, echo, model) through one engine."""
+    from turnrl.chat.encoder import ChatEncoder
+    from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+    from turnrl.testing import EchoEnv
+    from turnrl.types import Sample
+
+    engine = HFEngine(model, tokenizer, seed=0, prefix_cache_tokens=cache_tokens)
+    stops = tuple(range(0, 151000, 5))  # the random model ends its turns on these
+    spec = RolloutSpec(
+        env_factory=EchoEnv,
+        engine=engine,
+        encoder=ChatEncoder(tokenizer, {"enable_thinking": False}),
+        sampling=SamplingParams(temperature=1.0, max_tokens=24, seed=7, stop_token_ids=stops),
+        limits=Limits(max_turns=3, max_context_tokens=1024),
+    )
+    samples = [Sample(f"s{i}", [{"role": "user", "content": f"Story {i}, please."}]) for i in range(4)]
+    try:
+        trajs = await asyncio.gather(*(run_trajectory(s, spec) for s in samples))
+    finally:
+        await engine.close()
+    return list(trajs), engine.prefix_stats
+
+
+async def test_later_turns_reuse_their_sessions_kv(tiny_qwen3_model: Any, qwen3_tokenizer: Any) -> None:
+    cached, stats = await session_rollouts(tiny_qwen3_model, qwen3_tokenizer, 32768)
+    plain, plain_stats = await session_rollouts(tiny_qwen3_model, qwen3_tokenizer, 0)
+    turns = sum(t.num_turns for t in cached)
+    assert turns >= 8 and plain_stats["hits"] == 0
+    assert stats["hits"] == turns - len(cached)  # every turn after the first
+    assert stats["prefilled_tokens"] + stats["reused_tokens"] == plain_stats["prefilled_tokens"]
+    assert stats["prefilled_tokens"] < plain_stats["prefilled_tokens"] / 2
+    for a, b in zip(cached, plain, strict=True):  # the same samples, up to float rounding
+        assert a.response_ids == b.response_ids
+        torch.testing.assert_close(
+            torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-4, rtol=0
+        )
+
+
+async def test_weight_updates_drop_kept_kv(tiny_qwen3_dir: Path) -> None:
+    model, tokenizer = load_model(str(tiny_qwen3_dir)), load_tokenizer(str(tiny_qwen3_dir))
+    engine = HFEngine(model, tokenizer, seed=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    try:
+        prompt = chat_prompt(tokenizer, "Hello")
+        first = await engine.generate(prompt, greedy, session="a")
+        follow = [*prompt, *first.token_ids, 151645, 198]
+        second = await engine.generate(follow, greedy, session="a")
+        assert engine.prefix_stats["hits"] == 1
+        longer = [*follow, *second.token_ids, 151645, 198]
+        third = await engine.generate(longer, greedy, session="a")  # extends the last turn: a hit
+        assert engine.prefix_stats["hits"] == 2
+        await engine.update_weights({k: v * 1.01 for k, v in model.state_dict().items()})
+        again = await engine.generate([*longer, *third.token_ids, 13], greedy, session="a")
+        assert engine.prefix_stats["hits"] == 2  # the kept KV was computed with the old weights
+        assert again.token_ids
+        await engine.generate([*longer, *third.token_ids, 13, *again.token_ids, 13], greedy, session="b")
+        assert engine.prefix_stats["hits"] == 2  # another session's KV is not used
+    finally:
+        await engine.close()

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)  # weight version of each sampled token
     cancelled: bool = False  # set by the caller's task when it stops waiting
     images: list[ImageInput] = field(default_factory=list)  # the prompt's images, in order
+    session: str | None = None  # the trajectory it belongs to (its KV may be kept for the next turn)
     rope_delta: int = 0  # multimodal RoPE: text positions after images are shifted by this much
 
     def add_token(self, token: int, logprob: float, version: int) -> FinishReason | None:
@@ -70,6 +71,14 @@ class _Request:
         info = {"prompt_tokens": len(self.prompt_ids), "weight_versions": span}
         result = Generation(list(self.token_ids), list(self.logprobs), reason, info, list(self.versions))
         _resolve(self.loop, self.future, result)
+
+
+@dataclass
+class _SessionKV:
+    """The KV cache a finished generation leaves: its tokens and, per layer, keys and values."""
+
+    tokens: list[int]  # prompt + sampled tokens but the last (whose KV was never computed)
+    rows: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [heads, len(tokens), dim]
 
 
 @dataclass(eq=False)
@@ -164,6 +173,18 @@ class _Batch:
         keys, values = _layer_kv(self.cache, layer)
         width = keys.shape[-2]
         return [(keys[b, :, width - n :], values[b, :, width - n :]) for b, n in enumerate(self.lengths)]
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the cache (0 when empty)."""
+        return len(self.cache.layers) if self.cache is not None else 0
+
+    def row(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``b``'s unpadded keys and values for one layer."""
+        assert self.cache is not None
+        keys, values = _layer_kv(self.cache, layer)
+        n, width = self.lengths[b], keys.shape[-2]
+        return keys[b, :, width - n :], values[b, :, width - n :]
 
     def rebuild(self, keep: list[bool], new: list[tuple[_Request, Cache]]) -> None:
         """Drop rows where ``keep`` is False, append prefilled requests, and re-pad the cache."""
@@ -289,6 +310,7 @@ class HFEngine:
         seed: int | None = None,
         num_threads: int | None = None,
         vision: VisionProcessor | None = None,
+        prefix_cache_tokens: int = 32768,
     ) -> None:
         """Serve ``model``; the tokenizer is optional, kept for callers, and its eos id stops generations.
 
@@ -298,6 +320,9 @@ class HFEngine:
         (process-wide) when the worker starts; ``seed`` seeds requests that bring none.
         ``vision`` is a vision-language model's image processor: requests may then bring images
         (``ImageInput``s from the rollout, or raw images that are processed here).
+        ``prefix_cache_tokens`` bounds the KV kept between the turns of a session: a request whose
+        prompt extends its session's last prompt and sample prefills only the new tokens. The
+        least recently used sessions go first; a weight update drops them all (0: keep none).
         """
         _check_full_attention(model)
         self._model = model.eval()
@@ -319,6 +344,10 @@ class HFEngine:
         else:
             self._generator.manual_seed(seed)
         self._version = 0
+        self._prefix_cache_tokens = prefix_cache_tokens
+        self._sessions: OrderedDict[str, _SessionKV] = OrderedDict()
+        self._cached_tokens = 0
+        self.prefix_stats = {"hits": 0, "reused_tokens": 0, "prefilled_tokens": 0}
         self._cond = threading.Condition()
         self._pending: deque[_Request] = deque()
         self._updates: deque[_WeightUpdate] = deque()
@@ -382,6 +411,7 @@ class HFEngine:
     ) -> Generation:
         """Sample a continuation of ``prompt_ids``; concurrent calls share decode steps."""
         request = self._make_request(list(prompt_ids), sampling, images)
+        request.session = session
         if request.max_new_tokens <= 0:
             return Generation([], [], "length", {"prompt_tokens": len(request.prompt_ids)})
         self._submit(self._pending, request)
@@ -546,6 +576,8 @@ class HFEngine:
         try:
             with torch.no_grad():
                 self._model.load_state_dict(dict(update.state_dict), strict=update.strict)
+            self._sessions.clear()  # their KV was computed with the old weights
+            self._cached_tokens = 0
             self._version = self._version + 1 if update.version is None else update.version
             _resolve(update.loop, update.future, self._version)
         except Exception as err:
@@ -561,16 +593,52 @@ class HFEngine:
             self._decode(batch)
 
     def _prefill(self, request: _Request) -> Cache | None:
-        """Run the prompt alone, sample its first token; its cache, or None when it already finished."""
+        """Run the prompt alone (after its session's kept KV, when the prompt extends it), sample
+        its first token; its cache, or None when it already finished."""
         cache = DynamicCache(config=self._model.config)
-        ids = torch.tensor([request.prompt_ids], device=self._model.device)
+        start = self._reuse(request, cache)
+        ids = torch.tensor([request.prompt_ids[start:]], device=self._model.device)
         extra = self._image_kwargs(request, ids) if request.images else {}
+        if start:
+            extra["position_ids"] = torch.arange(start, len(request.prompt_ids), device=ids.device)[None]
         out = self._model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+        self.prefix_stats["prefilled_tokens"] += ids.shape[1]
         reason = self._sample(request, out.logits[0, -1])
         if reason is not None:
             request.finish(reason)
+            self._remember(request, [_first_row(cache, layer) for layer in range(len(cache.layers))])
             return None
         return cache
+
+    def _reuse(self, request: _Request, cache: Cache) -> int:
+        """Seed ``cache`` with the session's kept KV when the prompt extends its tokens; how many."""
+        saved = self._sessions.pop(request.session, None) if request.session is not None else None
+        if saved is None:
+            return 0
+        self._cached_tokens -= len(saved.tokens)
+        n = len(saved.tokens)
+        if request.images or n >= len(request.prompt_ids) or request.prompt_ids[:n] != saved.tokens:
+            return 0
+        for layer, (keys, values) in enumerate(saved.rows):
+            cache.update(keys[None], values[None], layer)
+        self.prefix_stats["hits"] += 1
+        self.prefix_stats["reused_tokens"] += n
+        return n
+
+    def _remember(self, request: _Request, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep a finished request's KV for its session's next turn (text-only requests)."""
+        if request.session is None or request.images or self._prefix_cache_tokens <= 0:
+            return
+        tokens = request.prompt_ids + request.token_ids[:-1]
+        if not rows or rows[0][0].shape[-2] != len(tokens) or len(tokens) > self._prefix_cache_tokens:
+            return
+        old = self._sessions.pop(request.session, None)
+        self._cached_tokens -= len(old.tokens) if old else 0
+        self._sessions[request.session] = _SessionKV(tokens, [(k.clone(), v.clone()) for k, v in rows])
+        self._cached_tokens += len(tokens)
+        while self._cached_tokens > self._prefix_cache_tokens:
+            _, evicted = self._sessions.popitem(last=False)
+            self._cached_tokens -= len(evicted.tokens)
 
     def _image_kwargs(self, request: _Request, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Pixel values, grids and multimodal RoPE positions of a prompt with images; the
@@ -596,6 +664,8 @@ class HFEngine:
             reason = self._sample(request, out.logits[row, -1])
             if reason is not None:
                 request.finish(reason)
+                if request.session is not None and self._prefix_cache_tokens > 0:
+                    self._remember(request, [batch.row(layer, row) for layer in range(batch.num_layers)])
             keep.append(reason is None and not request.cancelled)
         if not all(keep):
             batch.rebuild(keep, [])
