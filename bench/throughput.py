@@ -90,6 +90,10 @@ async def main_async(args: argparse.Namespace) -> None:
             rates[name].append(tokens / seconds)
             print(f"  {name:<8} {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.1f} tok/s")
     await engine.close()
+    stats = engine.prefix_stats
+    print(
+        f"prompt tokens prefilled {stats['prefilled_tokens']}, reused from kept KV {stats['reused_tokens']}"
+    )
     if len(counts) != 1:
         print(f"WARNING: the two sides generated different token counts: {sorted(counts)}")
     engine_rate, rollout_rate = (statistics.median(rates[k]) for k in ("engine", "rollout"))
