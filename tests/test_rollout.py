@@ -268,3 +268,20 @@ async def test_bad_observation_or_prompt_ends_only_that_trajectory(qwen3_tokeniz
     assert "observation: KeyError" in (trajs["bad-obs"].error or "")
     assert trajs["bad-prompt"].stop_reason == StopReason.ENV_ERROR
     assert (trajs["bad-prompt"].error or "").startswith("prompt:")
+
+
+async def test_summary_names_the_most_common_errors(qwen3_tokenizer: Any) -> None:
+    from turnrl.rollout.metrics import summarize
+
+    prompt = [{"role": "user", "content": "Hi"}]
+    broken = [
+        await run(spec_for(ScriptedEngine(qwen3_tokenizer, []), qwen3_tokenizer, BrokenResetEnv), prompt)
+    ]
+    gone = ScriptedEngine(qwen3_tokenizer, [RuntimeError("server gone")] * 2)
+    failed = [await run(spec_for(gone, qwen3_tokenizer, EchoEnv), prompt) for _ in range(2)]
+    fine = await run(
+        spec_for(ScriptedEngine(qwen3_tokenizer, ["a"]), qwen3_tokenizer, EchoEnv, max_turns=1), prompt
+    )
+    top = summarize([*broken, *failed, fine])["errors/top"]
+    assert list(top.values()) == [2, 1] and "server gone" in next(iter(top))
+    assert broken[0].error in top

@@ -73,6 +73,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         "tokens/response_mean": statistics.fmean(len(t.response_ids) for t in trajs),
         "check/mismatched_trajectories": sum(1 for t in trajs if t.metrics.get("check/ok") is False),
         "time/turn_seconds": _turn_timings(trajs),
+        "errors/top": dict(Counter(t.error for t in trajs if t.error).most_common(3)),
     }
 
 

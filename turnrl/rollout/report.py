@@ -21,7 +21,13 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     """Print the run summary: totals, stop reasons, turns, env failures, per-turn timings."""
     scalars = {k: v for k, v in summary.items() if not isinstance(v, dict)}
     console.print(_pairs("run", scalars))
-    for key in ("stop_reasons", "turns/histogram", "env_failures/by_kind", "reward/by_data_source"):
+    for key in (
+        "stop_reasons",
+        "turns/histogram",
+        "env_failures/by_kind",
+        "reward/by_data_source",
+        "errors/top",
+    ):
         if summary.get(key):
             console.print(_pairs(key, summary[key]))
     timings = summary.get("time/turn_seconds") or {}
