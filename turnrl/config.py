@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -158,18 +159,23 @@ def _first_error(exc: ValidationError) -> str:
 M = TypeVar("M", bound=BaseModel)
 
 
+def read_yaml_mapping(path: str | os.PathLike[str], error: type[ValueError] = ConfigError) -> dict[str, Any]:
+    """A YAML file's top-level mapping; ``error`` with a one-line reason when it has none."""
+    file = Path(path)
+    if not file.is_file():
+        raise error(f"config file not found: {file}")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise error(f"config file {file} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"config file {file} must hold a mapping at the top")
+    return data
+
+
 def load_model_config(path: str | Path, model: type[M], overrides: list[str] | None = None) -> M:
     """Read a YAML config, apply ``--set`` overrides, validate it as ``model``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top")
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(read_yaml_mapping(path), overrides or [])
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -24,14 +24,12 @@ import math
 import os
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import ChatConfig, EnvConfig, LimitsConfig, SamplingConfig, _first_error
+from turnrl.config import ChatConfig, EnvConfig, LimitsConfig, SamplingConfig, _first_error, read_yaml_mapping
 from turnrl.data import sample_from_row
 from turnrl.env.base import EnvFactory
 from turnrl.env.registry import resolve_env
@@ -91,15 +89,7 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
-    file = Path(path)
-    if not file.is_file():
-        raise SettingsError(f"turnrl config not found: {file}")
-    try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise SettingsError(f"turnrl config {file} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise SettingsError(f"turnrl config {file} must hold a mapping at the top")
+    data = read_yaml_mapping(path, SettingsError)
     return {k: v for k, v in data.items() if k in AgentSettings.model_fields}
 
 
