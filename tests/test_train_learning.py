@@ -52,7 +52,12 @@ def test_tiny_qwen3_learns_to_shout(tmp_path: Path, tiny_qwen3_dir: Path) -> Non
             "sampling": {"temperature": 1.0, "max_tokens": 8},
             "limits": {"max_turns": 1, "max_context_tokens": 128},
             "optim": {"lr": 1e-2},
-            # seeds 0-6 all reach >= 0.75 by step 10 with these settings; 12 steps leave a margin
+            # One request at a time: batched decoding's rounding depends on which requests share a
+            # step (timing), which made this run differ between machines. Alone, it is the same
+            # every time. Held-out reward by step 0/4/8/12 with these settings: seed 0
+            # 0.125/0.46/1.0/1.0, seed 1 0.125/0.90/1.0/1.0, seed 3 0.125/0.26/0.88/1.0; seed 2
+            # stalls (0.125/0.11/0.2/0.2), so learning here is likely, not certain, for a seed.
+            "engine": {"max_batch_size": 1},
             "train": {"steps": 12, "prompts_per_step": 2, "group_size": 16, "save_every": 0, "seed": 0},
             "eval": {"data": {"kwargs": {"size": 8, "offset": 100}}, "every": 0},  # held out, greedy
             "output_dir": str(tmp_path / "run"),
