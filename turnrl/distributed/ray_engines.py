@@ -156,6 +156,20 @@ class RayEngine:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(await_call(self.handle.close.remote()), 30.0)
         ray.kill(self.handle)
+        await _until_dead(self.handle, 30.0)  # ray.kill returns before the actor is gone
+
+
+async def _until_dead(handle: Any, timeout_s: float) -> None:
+    """Wait until calls to ``handle`` fail because the actor died (or ``timeout_s`` passes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(await_call(handle.ping.remote()), 1.0)
+        except ray.exceptions.RayActorError:
+            return
+        except Exception:  # a timeout while it dies: ask again
+            pass
+        await asyncio.sleep(0.05)
 
 
 def get_registry(
