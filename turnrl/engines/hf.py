@@ -168,11 +168,7 @@ class _Batch:
 
     def _rows(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every row's unpadded keys and values for one layer."""
-        if self.cache is None:
-            return []
-        keys, values = _layer_kv(self.cache, layer)
-        width = keys.shape[-2]
-        return [(keys[b, :, width - n :], values[b, :, width - n :]) for b, n in enumerate(self.lengths)]
+        return [self.row(layer, b) for b in range(len(self.lengths))] if self.cache is not None else []
 
     @property
     def num_layers(self) -> int:
@@ -606,7 +602,8 @@ class HFEngine:
         reason = self._sample(request, out.logits[0, -1])
         if reason is not None:
             request.finish(reason)
-            self._remember(request, [_first_row(cache, layer) for layer in range(len(cache.layers))])
+            if self._keeps(request):
+                self._remember(request, [_first_row(cache, layer) for layer in range(len(cache.layers))])
             return None
         return cache
 
@@ -625,10 +622,13 @@ class HFEngine:
         self.prefix_stats["reused_tokens"] += n
         return n
 
+    def _keeps(self, request: _Request) -> bool:
+        """Whether a finished request's KV is kept for its session's next turn (text-only ones)."""
+        return request.session is not None and not request.images and self._prefix_cache_tokens > 0
+
     def _remember(self, request: _Request, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep a finished request's KV for its session's next turn (text-only requests)."""
-        if request.session is None or request.images or self._prefix_cache_tokens <= 0:
-            return
+        """Keep a finished request's KV for its session's next turn (see ``_keeps``)."""
+        assert request.session is not None
         tokens = request.prompt_ids + request.token_ids[:-1]
         if not rows or rows[0][0].shape[-2] != len(tokens) or len(tokens) > self._prefix_cache_tokens:
             return
@@ -664,7 +664,7 @@ class HFEngine:
             reason = self._sample(request, out.logits[row, -1])
             if reason is not None:
                 request.finish(reason)
-                if request.session is not None and self._prefix_cache_tokens > 0:
+                if self._keeps(request):
                     self._remember(request, [batch.row(layer, row) for layer in range(batch.num_layers)])
             keep.append(reason is None and not request.cancelled)
         if not all(keep):

@@ -43,15 +43,15 @@ def saved_adapter(model_dir: Path) -> bool:
 
 
 @torch.no_grad()
-def serving_weights(policy: Any) -> tuple[dict[str, torch.Tensor], bool]:
-    """The weights the engine must serve, and whether they are the whole state dict.
+def serving_weights(policy: Any) -> dict[str, torch.Tensor]:
+    """The weights the engine must serve (a whole state dict unless ``is_lora(policy)``).
 
     Without LoRA: the policy's state dict. With LoRA: only the adapted layers, each
     ``base weight + scale * B @ A`` under its name in the plain model, which the engine's
     copy of the base model takes with a non-strict update; the policy itself is untouched.
     """
     if not is_lora(policy):
-        return policy.state_dict(), True
+        return dict(policy.state_dict())
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model()
@@ -62,4 +62,4 @@ def serving_weights(policy: Any) -> tuple[dict[str, torch.Tensor], bool]:
             layer: Any = module
             weight = layer.get_base_layer().weight
             weights[f"{name}.weight"] = weight + layer.get_delta_weight(adapter).to(weight.dtype)
-    return weights, False
+    return weights

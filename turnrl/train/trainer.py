@@ -46,7 +46,7 @@ from turnrl.train.batch import Batch, build_samples, collate, micro_batches, ste
 from turnrl.train.checkpoint import restore_training_state, save_checkpoint, start_output
 from turnrl.train.config import TrainConfig
 from turnrl.train.logprobs import token_logprobs
-from turnrl.train.lora import saved_adapter, serving_weights, wrap_lora
+from turnrl.train.lora import is_lora, saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
 from turnrl.train.metrics import MetricsLog, make_tracker, plot_rewards, rollout_metrics
 from turnrl.train.progress import TrainProgress
@@ -114,7 +114,7 @@ def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Conso
         policy = wrap_lora(policy, opt.lora, adapters)
         params = [p for p in policy.parameters() if p.requires_grad]
         if adapters is not None:  # a resume: the engine's copy of the base model gets the adapters merged
-            merged, _ = serving_weights(policy)
+            merged = serving_weights(policy)
             engine_model.load_state_dict(
                 {k: v.to(engine_model.dtype) for k, v in merged.items()}, strict=False
             )
@@ -278,8 +278,7 @@ async def _start(run: Run) -> dict[str, float]:
 
 async def push_weights(run: Run) -> None:
     """Put the policy's weights into the engine (with LoRA: the adapted layers, merged)."""
-    weights, whole = serving_weights(run.policy)
-    await run.engine.update_weights(weights, strict=whole)
+    await run.engine.update_weights(serving_weights(run.policy), strict=not is_lora(run.policy))
 
 
 def _save(run: Run, step: int) -> None:

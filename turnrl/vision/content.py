@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,28 +56,32 @@ def load_image(source: Any) -> Any:
     raise ImageError(f"cannot read an image from {type(source).__name__}")
 
 
-def normalize_images(messages: Sequence[Message]) -> tuple[list[Message], list[Any]]:
-    """Messages whose image parts hold PIL images (``{"type": "image", "image": pil}``), and those
-    images in order. Messages without images are passed through as they are."""
+def _map_parts(messages: Sequence[Message], fn: Callable[[Any], Any]) -> list[Message]:
+    """Messages with every content part replaced by ``fn(part)``; string contents pass through."""
     out: list[Message] = []
-    images: list[Any] = []
     for message in messages:
         content = message.get("content")
         if isinstance(content, str) or not content:
             out.append(message)
-            continue
-        parts = []
-        for part in content:
-            if is_image_part(part):
-                image = load_image(_part_source(part))
-                images.append(image)
-                parts.append({"type": "image", "image": image})
-            elif isinstance(part, dict):
-                parts.append(part)
-            else:
-                raise ImageError(f"content part of type {type(part).__name__} is not a dict")
-        out.append({**message, "content": parts})
-    return out, images
+        else:
+            out.append({**message, "content": [fn(part) for part in content]})
+    return out
+
+
+def normalize_images(messages: Sequence[Message]) -> tuple[list[Message], list[Any]]:
+    """Messages whose image parts hold PIL images (``{"type": "image", "image": pil}``), and those
+    images in order. Messages without images are passed through as they are."""
+    images: list[Any] = []
+
+    def normalized(part: Any) -> Any:
+        if is_image_part(part):
+            images.append(load_image(_part_source(part)))
+            return {"type": "image", "image": images[-1]}
+        if not isinstance(part, dict):
+            raise ImageError(f"content part of type {type(part).__name__} is not a dict")
+        return part
+
+    return _map_parts(messages, normalized), images
 
 
 def text_parts(content: Any) -> list[str]:
@@ -110,39 +114,27 @@ def messages_to_json(messages: Sequence[Message], images: Sequence[Any]) -> list
     index: dict[int, int] = {}
     for k, image in enumerate(images):
         index.setdefault(id(image), k)
-    out: list[Message] = []
     seen = 0
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str) or not content:
-            out.append(message)
-            continue
-        parts = []
-        for part in content:
-            image = part.get("image") if isinstance(part, dict) else None
-            if image is not None and seen < len(images) and images[seen] is image:
-                parts.append({"type": "image", "image_index": seen})
-                seen += 1
-            elif image is not None and id(image) in index:
-                parts.append({"type": "image", "image_index": index[id(image)]})
-            else:
-                parts.append(part)
-        out.append({**message, "content": parts})
-    return out
+
+    def indexed(part: Any) -> Any:
+        nonlocal seen
+        image = part.get("image") if isinstance(part, dict) else None
+        if image is not None and seen < len(images) and images[seen] is image:
+            seen += 1
+            return {"type": "image", "image_index": seen - 1}
+        if image is not None and id(image) in index:
+            return {"type": "image", "image_index": index[id(image)]}
+        return part
+
+    return _map_parts(messages, indexed)
 
 
 def messages_from_json(messages: Sequence[Message], images: Sequence[Any]) -> list[Message]:
     """The inverse of ``messages_to_json``: ``image_index`` parts get their image back."""
-    out: list[Message] = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list) and any(isinstance(p, dict) and "image_index" in p for p in content):
-            content = [
-                {"type": "image", "image": images[p["image_index"]]}
-                if isinstance(p, dict) and "image_index" in p
-                else p
-                for p in content
-            ]
-            message = {**message, "content": content}
-        out.append(message)
-    return out
+
+    def restored(part: Any) -> Any:
+        if isinstance(part, dict) and "image_index" in part:
+            return {"type": "image", "image": images[part["image_index"]]}
+        return part
+
+    return _map_parts(messages, restored)
