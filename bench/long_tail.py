@@ -31,12 +31,11 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.engines.base import Generation, SamplingParams
-from turnrl.env.base import Env, EnvFactory, StepResult
+from turnrl.env.base import Env, EnvFactory
 from turnrl.models import qwen3_tokenizer_dir
 from turnrl.rollout.collector import collect
 from turnrl.rollout.loop import Limits, RolloutSpec
-from turnrl.types import Sample, StopReason
+from turnrl.types import Generation, Sample, SamplingParams, StepResult, StopReason
 
 
 def step_latency(seed: int, trajectory: str, turn: int, median_s: float, sigma: float) -> float:
@@ -192,7 +191,7 @@ async def request_level(
     engine = bench.engine()
     spec = rollout_spec(env_factory, engine, bench.encoder, turns)
     t0 = time.perf_counter()
-    trajs = await collect(samples, spec, n=1, concurrency=bench.args.concurrency)
+    trajs = await collect(samples, spec, group_size=1, concurrency=bench.args.concurrency)
     seconds = time.perf_counter() - t0
     assert all(t.stop_reason == StopReason.ENV_DONE for t in trajs), {t.stop_reason for t in trajs}
     return Result(name, len(trajs), sum(t.num_turns for t in trajs), seconds, engine.busy_s)

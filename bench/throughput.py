@@ -19,13 +19,13 @@ import statistics
 import time
 from typing import Any
 
+from turnrl.app import hf_engine
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.engines.base import SamplingParams
 from turnrl.engines.hf import HFEngine
 from turnrl.rollout.collector import collect
 from turnrl.rollout.loop import Limits, RolloutSpec, request_seed
 from turnrl.testing import EchoEnv
-from turnrl.types import Sample
+from turnrl.types import Sample, SamplingParams
 
 
 def samples(count: int) -> list[Sample]:
@@ -45,7 +45,7 @@ async def rollout_side(engine: HFEngine, tokenizer: Any, args: argparse.Namespac
         limits=Limits(max_turns=args.turns, max_context_tokens=8192),
     )
     t0 = time.perf_counter()
-    trajs = await collect(samples(args.trajectories), spec, n=1, concurrency=args.trajectories)
+    trajs = await collect(samples(args.trajectories), spec, group_size=1, concurrency=args.trajectories)
     seconds = time.perf_counter() - t0
     return sum(sum(t.loss_mask) for t in trajs), seconds
 
@@ -76,7 +76,7 @@ async def engine_side(engine: HFEngine, tokenizer: Any, args: argparse.Namespace
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    engine = HFEngine.from_spec(
+    engine = hf_engine(
         args.model, max_batch_size=args.trajectories, prefix_cache_tokens=args.prefix_cache_tokens
     )
     tokenizer = engine.tokenizer

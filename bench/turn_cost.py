@@ -25,11 +25,10 @@ from transformers import AutoTokenizer
 
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.chat.report import DEFAULT_TOOLS
-from turnrl.engines.base import Generation, SamplingParams
-from turnrl.env.base import Env, StepResult
+from turnrl.env.base import Env
 from turnrl.models import qwen3_tokenizer_dir
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
-from turnrl.types import Message, Sample
+from turnrl.types import Generation, Message, Sample, SamplingParams, StepResult
 
 TOOLS = DEFAULT_TOOLS
 PROMPT: list[Message] = [

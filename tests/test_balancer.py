@@ -10,12 +10,11 @@ import pytest
 
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.balancer import BalancedEngine
-from turnrl.engines.base import EngineError, Generation, SamplingParams
 from turnrl.engines.http import RequestError, ServerError
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
 from turnrl.testing import EchoEnv
-from turnrl.types import Sample, StopReason
+from turnrl.types import EngineError, Generation, Sample, SamplingParams, StopReason
 
 SAMPLING = SamplingParams(max_tokens=4)
 

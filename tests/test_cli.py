@@ -25,7 +25,7 @@ def write_config(tmp_path: Path, model: str, overrides: dict[str, Any] | None = 
         "data": {"kwargs": {"size": 3}},
         "sampling": {"max_tokens": 8},
         "limits": {"max_turns": 3, "max_context_tokens": 512},
-        "rollout": {"n": 2, "concurrency": 4},
+        "rollout": {"group_size": 2, "concurrency": 4},
         "output_dir": str(tmp_path / "run"),
     }
     for key, value in (overrides or {}).items():
@@ -37,7 +37,7 @@ def write_config(tmp_path: Path, model: str, overrides: dict[str, Any] | None = 
 
 def test_rollout_writes_trajectories_and_summary(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     config = write_config(tmp_path, str(tiny_qwen3_dir))
-    result = turnrl("rollout", str(config), "--set", "rollout.n=2", cwd=tmp_path)
+    result = turnrl("rollout", str(config), "--set", "rollout.group_size=2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()
     assert len(lines) == 6
@@ -128,7 +128,8 @@ def test_train_runs_a_step_and_resumes(tmp_path: Path, tiny_qwen3_dir: Path) -> 
         "data": {"kwargs": {"size": 2}},
         "sampling": {"max_tokens": 6},
         "limits": {"max_turns": 1, "max_context_tokens": 256},
-        "train": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "plot": False, "save_every": 1},
+        "rollout": {"group_size": 2},
+        "train": {"steps": 1, "prompts_per_step": 2, "plot": False, "save_every": 1},
         "output_dir": str(tmp_path / "train"),
     }
     path = tmp_path / "train.yaml"

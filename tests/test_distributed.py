@@ -19,15 +19,20 @@ from turnrl.chat.encoder import ChatEncoder  # noqa: E402
 from turnrl.data import read_rows, to_samples  # noqa: E402
 from turnrl.distributed import RayEnvConfig, RayEnvPool, ray_env_factory  # noqa: E402
 from turnrl.distributed.worker import EnvSpec, EnvWorker  # noqa: E402
-from turnrl.engines.base import SamplingParams  # noqa: E402
 from turnrl.engines.scripted import ScriptedEngine  # noqa: E402
 from turnrl.env.base import EnvFactory, StepResult  # noqa: E402
 from turnrl.env.registry import resolve_env  # noqa: E402
 from turnrl.envs.guess_number import GuessNumberEnv  # noqa: E402
+from turnrl.rollout.codec import trajectory_to_json  # noqa: E402
 from turnrl.rollout.collector import collect, iter_trajectories  # noqa: E402
 from turnrl.rollout.loop import Limits, RolloutSpec  # noqa: E402
 from turnrl.testing import EchoEnv  # noqa: E402
-from turnrl.types import Sample, StopReason, Trajectory  # noqa: E402
+from turnrl.types import (  # noqa: E402
+    Sample,
+    SamplingParams,
+    StopReason,
+    Trajectory,
+)
 
 # Envs defined here travel to the workers by value (this test module is not importable there).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -107,7 +112,7 @@ def stories(count: int, **metadata: Any) -> list[Sample]:
 
 def comparable(traj: Trajectory) -> dict[str, Any]:
     """Everything but timings."""
-    out = traj.to_dict()
+    out = trajectory_to_json(traj)
     out["turns"] = [{k: v for k, v in t.items() if k != "timings"} for t in out["turns"]]
     out["metrics"] = {k: v for k, v in out["metrics"].items() if not k.startswith("time/")}
     return out
@@ -147,9 +152,11 @@ async def test_rollouts_on_ray_equal_local(
     limits: dict[str, Any],
 ) -> None:
     samples = samples_for(data)
-    remote = await collect(samples, spec_for(qwen3_tokenizer, pool.factory(name, kwargs), **limits), n=2)
+    remote = await collect(
+        samples, spec_for(qwen3_tokenizer, pool.factory(name, kwargs), **limits), group_size=2
+    )
     local_factory = resolve_env(name).bind(kwargs)
-    local = await collect(samples, spec_for(qwen3_tokenizer, local_factory, **limits), n=2)
+    local = await collect(samples, spec_for(qwen3_tokenizer, local_factory, **limits), group_size=2)
     assert len(remote) == len(local) == 2 * len(samples)
     by_id = {t.id: comparable(t) for t in local}
     for traj in remote:

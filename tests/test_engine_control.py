@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from turnrl.engines.balancer import BalancedEngine
-from turnrl.engines.base import EngineError, Generation, SamplingParams
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.openai import OpenAIEngine
 from turnrl.engines.sglang import SGLangEngine
-from turnrl.engines.weights import WeightUpdatable
 from turnrl.models import load_model
+from turnrl.types import EngineError, Generation, SamplingParams, WeightUpdatable
 
 EOS = 151645
 PROMPT = [151644, 872, 198, 9707]

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import reasoning_gym
+from turnrl.app import load_samples
 
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import load_config
 from turnrl.data import read_rows, sample_from_row, to_samples
-from turnrl.engines.base import SamplingParams
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.base import Env
 from turnrl.env.registry import resolve_env
@@ -24,8 +24,7 @@ from turnrl.envs.textarena_env import TextArenaEnv, drop_echo, new_part
 from turnrl.envs.tool_config import AnswerCheckTool, ConfiguredToolEnv, answer_reward
 from turnrl.rewards import RewardContext
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
-from turnrl.rollout.runner import load_samples
-from turnrl.types import Message, Sample, StopReason, Trajectory, Turn
+from turnrl.types import Message, Sample, SamplingParams, StopReason, Trajectory, Turn
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -431,7 +430,7 @@ async def test_example_config_loads_and_its_env_starts(path: Path, monkeypatch: 
     config = load_config(path)
     entry = resolve_env(config.env.name)
     samples = load_samples(config.data, entry)
-    assert len(samples) * config.rollout.n <= 32 and config.sampling.max_tokens <= 128
+    assert len(samples) * config.rollout.group_size <= 32 and config.sampling.max_tokens <= 128
     assert config.limits.max_turns <= 4
     env = entry.bind(config.env.kwargs)(samples[0])
     try:

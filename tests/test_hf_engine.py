@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from turnrl.engines import Engine, EngineError, HFEngine, SamplingParams
+from turnrl.app import hf_engine
+from turnrl.engines import HFEngine
 from turnrl.engines.hf import sample_token
 from turnrl.models import load_model, load_tokenizer
+from turnrl.types import Engine, EngineError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -257,7 +259,7 @@ async def test_smollm2_gguf_answers_with_its_chat_template() -> None:
     tokenizer = load_tokenizer("smollm2-135m")
     assert tokenizer.chat_template
     prompt = chat_prompt(tokenizer, "What is the capital of France?")
-    async with HFEngine.from_spec("smollm2-135m") as eng:
+    async with hf_engine("smollm2-135m") as eng:
         gen = await eng.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))
     assert "Paris" in tokenizer.decode(gen.token_ids)
     assert gen.finish_reason == "stop" and gen.token_ids[-1] == tokenizer.eos_token_id

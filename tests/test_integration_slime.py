@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 
-from turnrl.engines.base import SamplingParams
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.sglang import SGLangEngine
 from turnrl.integrations.agent_settings import (
@@ -32,7 +31,6 @@ from turnrl.integrations.agent_settings import (
     chat_encoder,
     env_factory,
     load_settings,
-    tracked_reward,
     trainer_limits,
     turn_max_tokens,
 )
@@ -40,7 +38,7 @@ from turnrl.integrations.slime import close_engines, fill, generate, status_name
 from turnrl.models import load_model
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
 from turnrl.types import Sample as TurnrlSample
-from turnrl.types import StopReason, Trajectory
+from turnrl.types import SamplingParams, StopReason, Trajectory
 
 
 @dataclass
@@ -234,7 +232,7 @@ async def turnrl_itself(
         encoder=chat_encoder(tokenizer, {"enable_thinking": False}),
         sampling=SamplingParams(max_tokens=budget, stop_token_ids=tuple(ODD), seed=11),
         limits=Limits(max_turns=turns, max_context_tokens=2**62, max_response_tokens=budget),
-        reward_fn=tracked_reward,
+        rewards=load_settings().reward_routing(),
     )
     try:
         return await run_trajectory(sample, spec, index)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from turnrl.config import ChatConfig, LimitsConfig
-from turnrl.engines.base import SamplingParams
+from turnrl.config import ChatConfig
+from turnrl.rollout import Limits
 from turnrl.engines.hf import HFEngine
 from turnrl.integrations.prompt_index import PromptIndex, prompt_key, tag_prompt
 from turnrl.integrations.trl import (
@@ -24,7 +24,7 @@ from turnrl.integrations.trl import (
 from turnrl.models import load_model, load_tokenizer
 from turnrl.rollout.collector import read_trajectories
 from turnrl.testing import EchoEnv
-from turnrl.types import Sample, StopReason, Trajectory
+from turnrl.types import Sample, SamplingParams, StopReason, Trajectory
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +127,7 @@ def test_grpo_trainer_steps_on_turnrl_rollouts(tmp_path: Path, tiny_qwen3_dir: P
         ROWS,
         chat=ChatConfig(template_kwargs={"enable_thinking": False}),
         sampling=_sampling(len(tokenizer)),
-        limits=LimitsConfig(max_turns=2, max_context_tokens=512),
+        limits=Limits(max_turns=2, max_context_tokens=512),
         out_path=tmp_path / "trajectories.jsonl",
     )
     calls: list[tuple[dict[str, torch.Tensor], list[Trajectory], dict[str, Any]]] = []

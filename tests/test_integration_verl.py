@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from turnrl.engines.base import Generation, SamplingParams
 from turnrl.models import load_model
-from turnrl.types import StopReason
+from turnrl.types import Generation, SamplingParams, StopReason
 
 try:  # the real verl package (scripts/setup.sh installs it)
     import hydra

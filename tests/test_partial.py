@@ -8,14 +8,13 @@ from typing import Any
 import torch
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.engines.base import SamplingParams
 from turnrl.engines.hf import HFEngine
 from turnrl.models import load_model
 from turnrl.rollout.collector import collect
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.loop import Limits, RolloutSpec
 from turnrl.testing import EchoEnv
-from turnrl.types import Sample, StopReason, Trajectory
+from turnrl.types import Sample, SamplingParams, StopReason, Trajectory
 
 MAX_TOKENS = 64
 
@@ -62,7 +61,9 @@ async def test_pause_update_resume_keeps_tokens_and_conditions_on_them(
     new_model.load_state_dict(perturbed(old_model))
     engine = HFEngine(load_model(str(tiny_qwen3_dir)), qwen3_tokenizer, max_batch_size=8, eos_token_ids=[])
     control = RolloutControl()
-    run = asyncio.create_task(collect(samples(6), spec(engine, qwen3_tokenizer, control), n=1, concurrency=6))
+    run = asyncio.create_task(
+        collect(samples(6), spec(engine, qwen3_tokenizer, control), group_size=1, concurrency=6)
+    )
     await pause_update_resume(engine, control, new_model.state_dict())
     trajs = await run
     await engine.close()
@@ -84,7 +85,7 @@ async def test_mask_offpolicy_masks_older_tokens(tiny_qwen3_dir: Any, qwen3_toke
     engine = HFEngine(model, qwen3_tokenizer, max_batch_size=8, eos_token_ids=[])
     control = RolloutControl()
     rollout = spec(engine, qwen3_tokenizer, control, mask_offpolicy=True)
-    run = asyncio.create_task(collect(samples(6), rollout, n=1, concurrency=6))
+    run = asyncio.create_task(collect(samples(6), rollout, group_size=1, concurrency=6))
     await pause_update_resume(engine, control, perturbed(model))
     trajs = await run
     await engine.close()
@@ -110,7 +111,7 @@ async def test_over_sampling_stops_the_slowest_groups(tiny_qwen3_dir: Any, qwen3
     control = RolloutControl()
     rollout = spec(engine, qwen3_tokenizer, control)
     rollout.env_factory = SlowStartEnv
-    trajs = await collect(samples(6), rollout, n=2, concurrency=12, target_groups=2)
+    trajs = await collect(samples(6), rollout, group_size=2, concurrency=12, target_groups=2)
     await engine.close()
     assert len(trajs) == 12  # every trajectory comes back, the stopped ones with their reason
     aborted = {t.group_id for t in trajs if t.stop_reason == StopReason.ABORTED}

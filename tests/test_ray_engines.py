@@ -20,24 +20,27 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from turnrl.config import EngineConfig, RunConfig  # noqa: E402
+
+from turnrl.app import Prepared, prepare  # noqa: E402
+from turnrl.app.engines import EngineBuild, ray_engine, server_for_entry  # noqa: E402
+from turnrl.config import HFEngineConfig, OpenAIEngineConfig, RunConfig  # noqa: E402
 from turnrl.distributed import RayEngine, RayEngineConfig, RegistryEngine  # noqa: E402
-from turnrl.distributed.engine_host import EngineBuild  # noqa: E402
 from turnrl.distributed.ray_engines import (  # noqa: E402
     get_registry,
     register_actor,
     register_server,
     start_engine_actor,
 )
-from turnrl.distributed.registry_engine import ray_engine  # noqa: E402
 from turnrl.engines.balancer import BalancedEngine  # noqa: E402
-from turnrl.engines.base import Generation, SamplingParams  # noqa: E402
 from turnrl.engines.http import RequestError  # noqa: E402
 from turnrl.engines.openai import OpenAIEngine  # noqa: E402
 from turnrl.engines.servers import free_port  # noqa: E402
 from turnrl.rollout.collector import collect, iter_trajectories  # noqa: E402
-from turnrl.rollout.runner import Prepared, prepare  # noqa: E402
-from turnrl.types import Trajectory  # noqa: E402
+from turnrl.types import (
+    Generation,
+    SamplingParams,
+    Trajectory,
+)
 
 # Engines defined here travel to the actors by value (this test module is not importable there).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -66,7 +69,8 @@ def run_config(model: Path, out: Path, **ray_engine: Any) -> RunConfig:
             "engine": {"max_batch_size": 16, "ray": ray_engine},
             "sampling": {"temperature": 1.0, "max_tokens": 8},
             "limits": {"max_turns": 3, "max_context_tokens": 512},
-            "rollout": {"n": 2, "concurrency": 8, "seed": 3},
+            "rollout": {"group_size": 2, "concurrency": 8},
+            "seed": 3,
             "output_dir": str(out),
         }
     )
@@ -93,7 +97,7 @@ def local(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
     async def run() -> list[Trajectory]:
         try:
-            return await collect(prepared.samples, prepared.spec, n=2, concurrency=8)
+            return await collect(prepared.samples, prepared.spec, group_size=2, concurrency=8)
         finally:
             await prepared.spec.engine.close()
 
@@ -103,7 +107,7 @@ def local(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 def build(model: Path) -> EngineBuild:
-    return EngineBuild(str(model), EngineConfig(max_batch_size=16))
+    return EngineBuild(str(model), HFEngineConfig(max_batch_size=16))
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +154,7 @@ async def test_rollout_on_registered_engine_actors_equals_local_and_streams(
     assert isinstance(engine, RegistryEngine) and sorted(engine.names()) == sorted(hosts)
     arrivals: list[tuple[Trajectory, int]] = []  # each trajectory, and the generations in flight then
     try:
-        async for traj in iter_trajectories(prepared.samples, prepared.spec, n=2, concurrency=8):
+        async for traj in iter_trajectories(prepared.samples, prepared.spec, group_size=2, concurrency=8):
             arrivals.append((traj, sum(s.in_flight for s in engine.balancer.stats)))
     finally:
         await engine.close()
@@ -177,7 +181,7 @@ async def test_an_engine_registered_mid_rollout_receives_trajectories(
             joined.append(len(engine.names()))
             registry.register.remote(entry)
 
-    trajs = await collect(prepared.samples, prepared.spec, n=2, concurrency=2, on_done=on_done)
+    trajs = await collect(prepared.samples, prepared.spec, group_size=2, concurrency=2, on_done=on_done)
     assert joined == [1] and sorted(engine.names()) == sorted(hosts)
     assert engine.engine_stats(late).served > 0  # it took trajectories started after it joined
     assert_same(local, trajs)  # which engine runs a trajectory does not change its tokens
@@ -185,7 +189,7 @@ async def test_an_engine_registered_mid_rollout_receives_trajectories(
     await engine.refresh()
     assert late not in engine.names()  # it left: retired from the balancer
     before = served(engine)[late]
-    await collect(prepared.samples[:1], prepared.spec, n=2)
+    await collect(prepared.samples[:1], prepared.spec, group_size=2)
     assert served(engine)[late] == before  # and gets no more work
     ray.get(registry.register.remote(entry))  # back for the next test
     await engine.close()
@@ -216,7 +220,7 @@ async def test_engine_served_from_a_node_then_killed_mid_rollout_loses_nothing(
         engine = prepared.spec.engine
         assert isinstance(engine, RegistryEngine)
         victim = engine.engine_stats(entry.name)
-        run = asyncio.create_task(collect(prepared.samples, prepared.spec, n=2, concurrency=8))
+        run = asyncio.create_task(collect(prepared.samples, prepared.spec, group_size=2, concurrency=8))
         deadline = time.monotonic() + 30
         while victim.in_flight == 0 and time.monotonic() < deadline:  # wait for calls on the new engine
             await asyncio.sleep(0.005)
@@ -247,7 +251,7 @@ async def test_replicas_started_by_the_driver_without_a_registry(
     engine = prepared.spec.engine
     assert isinstance(engine, BalancedEngine) and isinstance(engine.engines[0], RayEngine)
     try:
-        trajs = await collect(prepared.samples[:2], prepared.spec, n=2, concurrency=4)
+        trajs = await collect(prepared.samples[:2], prepared.spec, group_size=2, concurrency=4)
     finally:
         await engine.close()  # the driver's own actor is stopped with it
     assert_same(local, trajs, everyone=False)
@@ -395,8 +399,7 @@ async def test_registry_engine_builds_clients_for_registered_servers(
     registry = get_registry("test-servers", health_interval_s=60)
     register_server(registry, "http://127.0.0.1:9", dialect="llamacpp", served_model="m")  # never called
     entries = (await registry.entries.remote())[1]
-    config = EngineConfig(kind="openai", timeout_s=5)
-    from turnrl.distributed.registry_engine import server_for_entry
+    config = OpenAIEngineConfig(kind="openai", urls=["http://127.0.0.1:9"], timeout_s=5)
 
     engine = RegistryEngine(registry, entries, make_server=partial(server_for_entry, config, qwen3_tokenizer))
     [client] = engine.balancer.engines
@@ -406,20 +409,20 @@ async def test_registry_engine_builds_clients_for_registered_servers(
 
 
 def test_config_switch_defaults_off_and_needs_an_engine_source(ray_cluster: str) -> None:
-    assert EngineConfig().ray.enabled is False and RayEngineConfig().replicas == 1
+    assert HFEngineConfig().ray.enabled is False and RayEngineConfig().replicas == 1
     with pytest.raises(ValueError, match="extra"):
         RayEngineConfig.model_validate({"enabled": True, "workers": 3})
-    config = EngineConfig(ray=RayEngineConfig(enabled=True, replicas=0))
+    config = HFEngineConfig(ray=RayEngineConfig(enabled=True, replicas=0))
     with pytest.raises(ValueError, match=r"needs engine\.ray\.registry"):
-        ray_engine("tiny-qwen3", config, None)
-    servers = EngineConfig(kind="openai", urls=["http://x:1"], ray=RayEngineConfig(enabled=True))
+        ray_engine("tiny-qwen3", config)
+    servers = OpenAIEngineConfig(kind="openai", urls=["http://x:1"], ray=RayEngineConfig(enabled=True))
     with pytest.raises(ValueError, match=r"server engine needs engine\.ray\.registry"):
-        ray_engine("tiny-qwen3", servers, None)
+        ray_engine("tiny-qwen3", servers)
 
 
 def test_importing_configs_does_not_import_ray() -> None:
     code = (
-        "import sys, turnrl.config as c, turnrl.distributed as d; c.EngineConfig().ray; d.RayEngineConfig;"
+        "import sys, turnrl.config as c, turnrl.distributed as d; c.HFEngineConfig().ray; d.RayEngineConfig;"
         " assert 'ray' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})

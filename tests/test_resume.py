@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from turnrl.config import load_config
+from turnrl.rollout.codec import trajectory_to_json
 from turnrl.rollout.collector import recover
 from turnrl.types import StopReason, Trajectory
 
@@ -25,7 +26,7 @@ def config(tmp_path: Path, model: Path, **rollout: Any) -> Path:
         "data": {"kwargs": {"size": 100}},
         "sampling": {"max_tokens": 4},
         "limits": {"max_turns": 2, "max_context_tokens": 256},
-        "rollout": {"n": 2, "concurrency": 16, **rollout},
+        "rollout": {"group_size": 2, "concurrency": 16, **rollout},
         "output_dir": str(tmp_path / "run"),
     }
     path = tmp_path / "config.yaml"
@@ -80,7 +81,7 @@ def test_resume_refuses_a_different_run(tmp_path: Path, tiny_qwen3_dir: Path) ->
 def test_recover_drops_a_cut_line_and_duplicates(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     record = Trajectory("a/0", "a", "d", [1], [], [], [], [], [], stop_reason=StopReason.ENV_DONE)
-    line = json.dumps(record.to_dict())
+    line = json.dumps(trajectory_to_json(record))
     path.write_text(f"{line}\n{line}\n{line[:20]}")
     trajs, dropped = recover(path)
     assert [t.id for t in trajs] == ["a/0"] and dropped == 2

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.engines.base import Generation, SamplingParams
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
 from turnrl.env.tool_env import ToolEnv
@@ -21,7 +20,7 @@ from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
 from turnrl.testing import BrokenResetEnv, EchoEnv, FlakyEnv
 from turnrl.tools import FunctionTool
 from turnrl.tools.builtin import calculator
-from turnrl.types import Sample, StopReason, Trajectory
+from turnrl.types import Generation, Sample, SamplingParams, StopReason, Trajectory
 
 PROMPT = [
     {"role": "system", "content": "Use the calculator."},
@@ -207,7 +206,7 @@ async def test_real_engine_rollouts_are_exact(
     spec = spec_for(engine, qwen3_tokenizer, lambda s: EchoEnv(s, done_after=3), max_tokens=12, seed=7)
     samples = [Sample(f"p{i}", [{"role": "user", "content": f"Count to {i}."}]) for i in range(4)]
     out = tmp_path / "trajectories.jsonl"
-    trajs = await collect(samples, spec, n=2, concurrency=8, out_path=out)
+    trajs = await collect(samples, spec, group_size=2, concurrency=8, out_path=out)
     assert len(trajs) == 8 and sorted(t.id for t in trajs) == sorted(
         f"p{i}/{k}" for i in range(4) for k in range(2)
     )

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from turnrl.engines import Engine, EngineError, SamplingParams, ScriptedEngine, ScriptedReply
+from turnrl.engines import ScriptedEngine, ScriptedReply
+from turnrl.types import Engine, EngineError, SamplingParams
 
 IM_END = 151645
 SAMPLING = SamplingParams(max_tokens=64)

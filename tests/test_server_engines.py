@@ -21,10 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
-from turnrl.engines.base import SamplingParams
 from turnrl.engines.http import RequestError, ServerError
 from turnrl.engines.openai import OpenAIEngine, completion_payload
 from turnrl.engines.sglang import SGLangEngine
+from turnrl.types import SamplingParams
 
 EOS = 151645  # <|im_end|>
 EOT = 151643  # <|endoftext|>
@@ -288,8 +288,8 @@ def test_vllm_request_output_becomes_a_generation() -> None:
 def test_vllm_engine_needs_vllm() -> None:
     import importlib.util
 
-    from turnrl.engines.base import EngineError
     from turnrl.engines.vllm_inproc import VLLMEngine
+    from turnrl.types import EngineError
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed: this checks the error without it")

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from turnrl.env import Env, StepResult, register_env
+from turnrl.env import Env, register_env
 from turnrl.train.config import TrainConfig
 from turnrl.train.metrics import read_metrics
 from turnrl.train.trainer import train
-from turnrl.types import Trajectory
+from turnrl.types import StepResult, Trajectory
 
 
 class ShoutEnv(Env):
@@ -58,7 +58,9 @@ def test_tiny_qwen3_learns_to_shout(tmp_path: Path, tiny_qwen3_dir: Path) -> Non
             # 0.125/0.46/1.0/1.0, seed 1 0.125/0.90/1.0/1.0, seed 3 0.125/0.26/0.88/1.0; seed 2
             # stalls (0.125/0.11/0.2/0.2), so learning here is likely, not certain, for a seed.
             "engine": {"max_batch_size": 1},
-            "train": {"steps": 12, "prompts_per_step": 2, "group_size": 16, "save_every": 0, "seed": 0},
+            "rollout": {"group_size": 16},
+            "seed": 0,
+            "train": {"steps": 12, "prompts_per_step": 2, "save_every": 0},
             "eval": {"data": {"kwargs": {"size": 8, "offset": 100}}, "every": 0},  # held out, greedy
             "output_dir": str(tmp_path / "run"),
         }

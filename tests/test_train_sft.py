@@ -9,12 +9,11 @@ import torch
 
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.data import to_samples
-from turnrl.engines.base import SamplingParams
 from turnrl.envs.key_lookup import KeyLookupEnv, answer_of, demonstration
 from turnrl.models import load_model, load_tokenizer
 from turnrl.rollout.loop import Limits, RolloutSpec
 from turnrl.train.sft import demonstrations, sft_epochs
-from turnrl.types import StopReason
+from turnrl.types import SamplingParams, StopReason
 
 
 def spec(tokenizer: object) -> RolloutSpec:

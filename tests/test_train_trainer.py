@@ -14,13 +14,12 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from turnrl.config import ConfigError
-from turnrl.engines.base import SamplingParams
-from turnrl.env import Env, StepResult, register_env
+from turnrl.env import Env, register_env
 from turnrl.train.batch import step_prompts
 from turnrl.train.config import LoraSettings, TrainConfig, load_train_config
 from turnrl.train.metrics import read_metrics
 from turnrl.train.trainer import build_run, train, train_step
-from turnrl.types import Sample, Trajectory
+from turnrl.types import Sample, SamplingParams, StepResult, Trajectory
 
 QUIET = Console(file=io.StringIO())
 
@@ -50,7 +49,8 @@ def config(tmp_path: Path, model: Path, **train: Any) -> TrainConfig:
             "sampling": {"temperature": 1.0, "max_tokens": 6},
             "limits": {"max_turns": 1, "max_context_tokens": 128},
             "optim": {"lr": 1e-3},
-            "train": {"steps": 2, "prompts_per_step": 2, "group_size": 4, "plot": False, **train},
+            "rollout": {"group_size": 4},
+            "train": {"steps": 2, "prompts_per_step": 2, "plot": False, **train},
             "output_dir": str(tmp_path / "run"),
         }
     )
@@ -146,7 +146,8 @@ def test_warm_start_runs_once_and_is_checkpointed(tmp_path: Path, tiny_qwen3_dir
             "data": {"kwargs": {"size": 4}},
             "sampling": {"max_tokens": 32},
             "limits": {"max_turns": 2, "max_context_tokens": 1024},
-            "train": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "plot": False},
+            "rollout": {"group_size": 2},
+            "train": {"steps": 1, "prompts_per_step": 2, "plot": False},
             "warm_start": {
                 "demos": "turnrl.envs.key_lookup:demonstration",
                 "data": {"kwargs": {"size": 4, "seed": 2}},

@@ -10,11 +10,11 @@ import torch
 from PIL import Image
 from rich.console import Console
 
-from turnrl.env import Env, StepResult, register_env
+from turnrl.env import Env, register_env
 from turnrl.models import resolve_model
 from turnrl.train.config import TrainConfig
 from turnrl.train.trainer import build_run, train_step
-from turnrl.types import Message, Trajectory
+from turnrl.types import Message, StepResult, Trajectory
 
 QUIET = Console(file=io.StringIO())
 
@@ -66,10 +66,10 @@ async def test_a_grpo_step_on_a_vlm_scores_with_the_images_the_engine_saw(tmp_pa
             "sampling": {"temperature": 1.0, "max_tokens": 24, "stop_token_ids": list(range(0, 151000, 7))},
             "limits": {"max_turns": 3, "max_context_tokens": 1024},
             "optim": {"lr": 1e-3},
+            "rollout": {"group_size": 4},
             "train": {
                 "steps": 1,
                 "prompts_per_step": 2,
-                "group_size": 4,
                 "plot": False,
                 "save_rollouts": True,
             },

@@ -21,7 +21,6 @@ import pytest
 import yaml
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.engines.base import SamplingParams
 from turnrl.engines.scripted import Reply, ScriptedEngine, ScriptedReply
 from turnrl.env.tool_env import ToolEnv
 from turnrl.rollout.collector import collect
@@ -29,7 +28,7 @@ from turnrl.rollout.loop import Limits, RolloutSpec
 from turnrl.testing import EchoEnv
 from turnrl.tools import FunctionTool
 from turnrl.tools.builtin import calculator
-from turnrl.types import Sample, StopReason
+from turnrl.types import Sample, SamplingParams, StopReason
 from turnrl.viewer import ViewerError, load_run_tokenizer, make_server, write_viewer
 from turnrl.viewer.page import to_script_json, turn_messages
 

@@ -10,17 +10,18 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from turnrl.app import hf_engine
 from turnrl.chat.encoder import ChatEncoder, NoVisionError
-from turnrl.engines.base import EngineError, SamplingParams
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.engines.sglang import generate_payload
-from turnrl.env.base import Env, StepResult
+from turnrl.env.base import Env
 from turnrl.env.tool_env import ToolEnv
 from turnrl.models import load_tokenizer, load_vision_processor, resolve_model
+from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
 from turnrl.tools.function import tool
-from turnrl.types import Message, Sample, StopReason, Trajectory
+from turnrl.types import EngineError, Message, Sample, SamplingParams, StepResult, StopReason, Trajectory
 from turnrl.vision import ImageTokenError, MultimodalBuffer, VisionProcessor
 from turnrl.vision.processor import image_only_processor
 
@@ -120,7 +121,7 @@ async def test_trajectory_tokens_equal_the_processors_full_encoding(
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_forward_pass_with_merged_inputs_reproduces_rollout_logprobs(kind: str) -> None:
-    engine = HFEngine.from_spec(kind, seed=0)
+    engine = hf_engine(kind, seed=0)
     try:
         assert engine.vision is not None
         encoder = ChatEncoder(engine.tokenizer, vision=engine.vision)
@@ -148,7 +149,7 @@ async def test_forward_pass_with_merged_inputs_reproduces_rollout_logprobs(kind:
 
 
 async def test_engine_rejects_images_that_do_not_match_the_image_tokens(qwen2vl: tuple[Any, Any]) -> None:
-    engine = HFEngine.from_spec("tiny-qwen2-vl", seed=0)
+    engine = hf_engine("tiny-qwen2-vl", seed=0)
     try:
         assert engine.vision is not None
         pad, start, end = engine.vision.image_token_id, 151652, 151653
@@ -165,7 +166,7 @@ async def test_engine_rejects_images_that_do_not_match_the_image_tokens(qwen2vl:
             await engine.generate([1, 2, 3], sampling, [image])
     finally:
         await engine.close()
-    text_engine = HFEngine.from_spec("tiny-qwen3")
+    text_engine = hf_engine("tiny-qwen3")
     with pytest.raises(EngineError, match="no image processor"):
         await text_engine.generate([1, 2], SamplingParams(max_tokens=1), [picture(0)])
     await text_engine.close()
@@ -246,12 +247,12 @@ async def test_json_round_trip_keeps_images(qwen2vl: tuple[Any, VisionProcessor]
     traj = await run_trajectory(
         Sample("p", []), spec_for(PictureEnv, engine, ChatEncoder(tokenizer, vision=vision), 2)
     )
-    data = traj.to_dict()
+    data = trajectory_to_json(traj)
     assert "multimodal_inputs" not in data and all(
         u.startswith("data:image/png;base64,") for u in data["images"]
     )
     assert data["messages"][0]["content"][1] == {"type": "image", "image_index": 0}
-    back = Trajectory.from_dict(data)
+    back = trajectory_from_json(data)
     assert [list(i.getdata()) for i in back.images] == [list(i.getdata()) for i in traj.images]
     assert back.messages[2]["content"][1]["image"] is back.images[1]
     assert traj.images and traj.multimodal_inputs  # to_dict left the trajectory as it was
@@ -289,8 +290,8 @@ async def test_viewer_shows_the_images_of_a_vlm_run(
     engine = ScriptedEngine(tokenizer, ["C.<|im_end|>"] * 2)
     spec = spec_for(PictureEnv, engine, ChatEncoder(tokenizer, vision=vision), 2)
     traj = await run_trajectory(Sample("p", []), spec)
-    (tmp_path / "trajectories.jsonl").write_text(json.dumps(traj.to_dict()) + "\n")
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps(trajectory_to_json(traj)) + "\n")
     shown = view_model(read_run(tmp_path))["trajectories"][0]
     urls = [p["image"] for m in shown["messages"] if isinstance(m["content"], list) for p in m["content"]
             if p.get("type") == "image"]  # fmt: skip
-    assert urls == traj.to_dict()["images"] and len(urls) == 3
+    assert urls == trajectory_to_json(traj)["images"] and len(urls) == 3

@@ -7,16 +7,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from turnrl.app import hf_engine
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.data import sample_from_row
-from turnrl.engines.base import SamplingParams
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.registry import resolve_env
 from turnrl.envs.frozen_lake import INVALID_HINT, FrozenLakeEnv, parse_action
 from turnrl.envs.zoom import Layout, ZoomEnv, draw_grid
 from turnrl.models import load_tokenizer, load_vision_processor
+from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
-from turnrl.types import Message, Sample, StopReason, Trajectory
+from turnrl.types import Message, Sample, SamplingParams, StopReason, Trajectory
 
 pytest.importorskip("gymnasium")
 
@@ -131,7 +132,7 @@ def _image_token_count(traj: Trajectory, image_token_id: int) -> int:
 async def test_frozen_lake_rollout_with_tiny_qwen2_vl() -> None:
     from turnrl.engines.hf import HFEngine
 
-    engine = HFEngine.from_spec("tiny-qwen2-vl", seed=0)
+    engine = hf_engine("tiny-qwen2-vl", seed=0)
     tokenizer = engine.tokenizer
     vision = load_vision_processor("tiny-qwen2-vl", tokenizer)
     assert vision is not None
@@ -166,11 +167,11 @@ async def test_frozen_lake_rollout_with_tiny_qwen2_vl() -> None:
     tokens_per_image = grid.prod(dim=1) // vision.merge_size**2
     assert _image_token_count(traj, vision.image_token_id) == int(tokens_per_image.sum())
     # the record on disk: data URLs, and image_index parts in message order
-    record = traj.to_dict()
+    record = trajectory_to_json(traj)
     assert all(url.startswith("data:image/png;base64,") for url in record["images"])
     indices = [p["image_index"] for m in record["messages"] for p in _image_parts(m)]
     assert indices == list(range(len(traj.images)))
-    back = Trajectory.from_dict(record)
+    back = trajectory_from_json(record)
     assert all(
         np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(back.images, traj.images, strict=True)
     )
@@ -236,5 +237,5 @@ async def test_zoom_rollout_puts_the_crop_in_the_tool_message(model: str, said: 
     assert part["image"].size == (480, 480) and tool_message["content"][-1]["type"] == "text"
     assert len(traj.images) == 2 and traj.images[1] is part["image"]
     assert [len(call.images) for call in engine.calls] == [1, 2]  # the engine sees the crop on turn 2
-    record = traj.to_dict()
+    record = trajectory_to_json(traj)
     assert [p["image_index"] for m in record["messages"] for p in _image_parts(m)] == [0, 1]

@@ -1,4 +1,4 @@
-"""The ``turnrl`` command: rollout, check-template."""
+"""The ``turnrl`` command: rollout, train, serve, check-template, view, config."""
 
 from __future__ import annotations
 
@@ -6,19 +6,45 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 
 USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError, OSError)
+TRAIN_SECTIONS = ("algorithm", "optim", "train", "eval", "warm_start")
+
+
+def free_output_dir(out: Path, holds_run: Callable[[Path], bool]) -> Path:
+    """``out`` when it holds no run, else the first ``out-2``, ``out-3``... that holds none."""
+    if not holds_run(out):
+        return out
+    n = 2
+    while holds_run(out.with_name(f"{out.name}-{n}")):
+        n += 1
+    return out.with_name(f"{out.name}-{n}")
+
+
+def _fresh(output_dir: str, holds_run: Callable[[Path], bool], console: Console) -> str:
+    """The output folder of a new run: a folder holding an earlier run is kept, and a new one is used."""
+    out = Path(output_dir)
+    fresh = free_output_dir(out, holds_run)
+    if fresh != out:
+        console.print(
+            f"{out} holds an earlier run: writing to {fresh} (--resume continues it, --overwrite replaces it)"
+        )
+    return str(fresh)
 
 
 def _rollout(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.app.run import SUMMARY, TRAJECTORIES, run
     from turnrl.config import load_config
     from turnrl.rollout.report import print_summary
-    from turnrl.rollout.runner import SUMMARY, TRAJECTORIES, run
 
     config = load_config(args.config, args.set)
+    if not (args.resume or args.overwrite):
+        out = _fresh(config.output_dir, lambda p: (p / TRAJECTORIES).exists(), console)
+        config = config.model_copy(update={"output_dir": out})
     summary = run(config, overwrite=args.overwrite, resume=args.resume, console=console)
     print_summary(summary, console)
     console.print(f"wrote {Path(config.output_dir) / TRAJECTORIES} and {SUMMARY}")
@@ -27,16 +53,25 @@ def _rollout(args: argparse.Namespace, console: Console) -> int:
 
 def _train(args: argparse.Namespace, console: Console) -> int:
     from turnrl.train import load_train_config, train
+    from turnrl.train.checkpoint import holds_run
 
     config = load_train_config(args.config, args.set)
-    final = train(config, overwrite=args.overwrite, resume=args.resume, console=console)
-    console.print(json.dumps(final, indent=2, default=str))
-    console.print(f"wrote {config.output_dir} (metrics.jsonl, checkpoints)")
+    if not (args.resume or args.overwrite):
+        config = config.model_copy(update={"output_dir": _fresh(config.output_dir, holds_run, console)})
+    train(config, overwrite=args.overwrite, resume=args.resume, console=console)
+    console.print(f"wrote {config.output_dir} (metrics.jsonl, rewards.png, checkpoints)")
     return 0
+
+
+def _serve(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.app.serve import main as serve_main
+
+    return serve_main(args.serve_args)
 
 
 def _check_template(args: argparse.Namespace, console: Console) -> int:
     from turnrl.chat.report import check_template
+    from turnrl.models import load_tokenizer
 
     tools = None
     if args.tools:
@@ -44,7 +79,7 @@ def _check_template(args: argparse.Namespace, console: Console) -> int:
 
         tools = [t.schema for t in load_tools_config(args.tools)]
     kwargs = json.loads(args.template_kwargs) if args.template_kwargs else {}
-    report = check_template(args.model, tools=tools, template_kwargs=kwargs)
+    report = check_template(load_tokenizer(args.model), tools=tools, template_kwargs=kwargs, name=args.model)
     print(report.text())
     return 0 if report.safe else 1
 
@@ -62,6 +97,29 @@ def _view(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace, console: Console) -> int:
+    import yaml
+    from pydantic import BaseModel
+
+    from turnrl.app.config_docs import field_docs, render
+    from turnrl.config import RunConfig, dump_config, load_model_config, read_yaml_mapping
+    from turnrl.train.config import TrainConfig
+
+    kind: type[BaseModel] = TrainConfig if args.kind == "train" else RunConfig
+    if args.config:
+        if args.kind is None and any(k in read_yaml_mapping(args.config) for k in TRAIN_SECTIONS):
+            kind = TrainConfig
+        resolved = load_model_config(args.config, kind, args.set)
+        print(f"# {args.config} as `turnrl {'train' if kind is TrainConfig else 'rollout'}` reads it")
+        print(yaml.safe_dump(dump_config(resolved), sort_keys=False).rstrip())
+        if args.schema:
+            print()
+    if args.schema or not args.config:
+        print(f"# every key of a `turnrl {'train' if kind is TrainConfig else 'rollout'}` config")
+        print(render(field_docs(kind)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser."""
     parser = argparse.ArgumentParser(prog="turnrl", description="Exact-token multi-turn RL rollouts.")
@@ -69,15 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
     roll = sub.add_parser("rollout", help="run an env against a model and write trajectories.jsonl")
     roll.add_argument("config", help="YAML run config")
     roll.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    roll.add_argument("--overwrite", action="store_true", help="replace an existing trajectories.jsonl")
+    roll.add_argument("--overwrite", action="store_true", help="replace the run in output_dir")
     roll.add_argument("--resume", action="store_true", help="skip (prompt, sample) pairs already on disk")
     roll.set_defaults(func=_rollout)
     tr = sub.add_parser("train", help="GRPO on multi-turn trajectories with the embedded engine")
     tr.add_argument("config", help="YAML train config")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    tr.add_argument("--overwrite", action="store_true", help="replace an existing run in output_dir")
+    tr.add_argument("--overwrite", action="store_true", help="replace the run in output_dir")
     tr.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     tr.set_defaults(func=_train)
+    srv = sub.add_parser("serve", help="start this node's engines on Ray and register them", add_help=False)
+    srv.add_argument("serve_args", nargs=argparse.REMAINDER, help="see `turnrl serve --help`")
+    srv.set_defaults(func=_serve)
     chk = sub.add_parser("check-template", help="is this model's chat template safe for delta encoding?")
     chk.add_argument("model", help="HF id, local folder, or a shipped name (tiny-qwen3, smollm2-135m)")
     chk.add_argument("--tools", help="tool config YAML to put in the system prompt")
@@ -89,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 instead")
     view.add_argument("--port", type=int, default=0, help="port for --serve (default: any free port)")
     view.set_defaults(func=_view)
+    cfg = sub.add_parser(
+        "config", help="show a resolved config, and every key with its type, default and doc"
+    )
+    cfg_sub = cfg.add_subparsers(dest="action", required=True)
+    show = cfg_sub.add_parser(
+        "show", help="the config as it is read (defaults filled in); no CONFIG: the schema"
+    )
+    show.add_argument("config", nargs="?", help="YAML config (rollout or train)")
+    show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    show.add_argument("--kind", choices=["rollout", "train"], help="read it as this (default: guessed)")
+    show.add_argument("--schema", action="store_true", help="also list every key with its doc")
+    show.set_defaults(func=_config)
     return parser
 
 

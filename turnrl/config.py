@@ -1,123 +1,279 @@
-"""Typed run configuration, loaded from YAML with dotted ``--set key=value`` overrides."""
+"""Typed run configuration: one class per part, loaded from YAML with dotted ``--set`` overrides.
+
+Each section is defined once. ``sampling`` is the engine's own ``SamplingParams`` and
+``limits`` the loop's own ``Limits``; the engine section is a union keyed on ``kind``, each
+kind with only its own keys; ``TrainConfig`` (in ``turnrl.train.config``) extends the shared
+run sections. ``turnrl config show CONFIG`` prints a resolved config and every field's doc.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
-from turnrl.distributed.config import RayEngineConfig, RayEnvConfig
-from turnrl.engines.base import SamplingParams
-from turnrl.rollout.loop import Limits
+from turnrl.rollout.limits import Limits
+from turnrl.types import SamplingParams
 
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the key."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Strict(BaseModel):
+    """A config section: unknown keys are errors, and every field has a doc."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
-class EngineConfig(_Strict):
-    """Which engine generates, and how."""
-
-    kind: Literal["hf", "openai", "sglang", "vllm"] = "hf"  # hf: embedded transformers engine
-    max_batch_size: int = Field(32, ge=1)  # hf: sequences decoded together
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # hf
-    device: str = "cpu"  # hf
-    urls: list[str] = Field(default_factory=list)  # openai/sglang servers; several: load-balanced
-    dialect: Literal["vllm", "sglang", "llamacpp"] = "vllm"  # openai: which server speaks
-    served_model: str | None = None  # openai: the server's "model" field
-    api_key_env: str | None = None  # name of the environment variable holding the API key
-    timeout_s: float = Field(300.0, gt=0)  # one request
-    max_retries: int = Field(3, ge=0)  # connection errors, 5xx, timeouts
-    retry_budget_s: float = Field(600.0, gt=0)  # total seconds of retrying for one request
-    max_sticky_turns: int = Field(32, ge=1)  # balancer: turns a trajectory stays on one server
-    load_factor: float = Field(2.0, ge=1)  # balancer: move off a server this much busier than the least
-    cooloff_s: float = Field(30.0, ge=0)  # balancer: how long a failed server is left out
-    vllm_kwargs: dict[str, Any] = Field(default_factory=dict)  # vllm: AsyncEngineArgs
-    ray: RayEngineConfig = Field(default_factory=RayEngineConfig)  # engine actors / registry; off: local
+# ---- Ray: engines and env workers as actors ----------------------------------------------
 
 
-class ChatConfig(_Strict):
+class RayEnvConfig(Strict):
+    """Run every env in a pool of Ray worker actors (``pip install 'turnrl[ray]'``); off: in-process."""
+
+    enabled: bool = False
+    """False: envs run in the driver's event loop, and Ray is never imported."""
+    address: str | None = None
+    """None: this process's Ray or a new local one; "auto" / ray://...: a cluster."""
+    num_workers: int = Field(2, ge=1)
+    """Worker actors (one process each); envs go to the least loaded one."""
+    num_cpus_per_worker: float = Field(1.0, ge=0)
+    """CPUs each worker reserves from the cluster."""
+    env_threads: bool = True
+    """Each env on its own thread and event loop: a blocking env stalls only itself."""
+    close_timeout_s: float = Field(30.0, gt=0)
+    """Longest wait for an env's close before the driver moves on."""
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    """The workers' Ray runtime_env (pip, env_vars)."""
+
+
+class RayEngineConfig(Strict):
+    """Run the engine as Ray actors, and take engines registered from other nodes; off: in-process."""
+
+    enabled: bool = False
+    """False: the engine runs in the driver (or is reached by URL); Ray is never imported."""
+    address: str | None = None
+    """None: this process's Ray or a new local one; "auto" / ray://...: a cluster."""
+    replicas: int = Field(1, ge=0)
+    """Engine actors this driver starts (0: only engines in the registry)."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs each engine actor reserves."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs each engine actor reserves (set the engine's device to cuda)."""
+    registry: str | None = None
+    """A named registry actor: also use the engines other nodes register there."""
+    namespace: str = "turnrl"
+    """The Ray namespace of the registry."""
+    min_engines: int = Field(1, ge=1)
+    """Registry: engines to wait for before the rollout starts."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """Longest wait for engine actors / min_engines."""
+    refresh_s: float = Field(5.0, gt=0)
+    """Registry: how often the driver re-reads the engine list."""
+    health_interval_s: float = Field(5.0, gt=0)
+    """Registry: how often it checks each engine (set when it is created)."""
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    """The engine actors' Ray runtime_env."""
+
+
+# ---- engines: a union keyed on kind --------------------------------------------------------
+
+
+class HFEngineConfig(Strict):
+    """The embedded transformers engine: continuous batching in this process (CPU or GPU)."""
+
+    kind: Literal["hf"] = "hf"
+    """hf: the embedded engine (the default)."""
+    max_batch_size: int = Field(32, ge=1)
+    """Sequences decoded together."""
+    max_prefill_tokens: int = Field(8192, ge=1)
+    """Prompt tokens prefilled in one forward pass; longer prefills are split."""
+    prefix_cache_tokens: int = Field(32768, ge=0)
+    """Tokens of KV kept between a trajectory's turns (0: re-prefill every turn)."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch threads for the engine (None: torch's default)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights' dtype."""
+    device: str = "cpu"
+    """cpu, cuda, cuda:1..."""
+    ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
+    """Engine actors on Ray; off: in this process."""
+
+
+class BalancerConfig(Strict):
+    """How trajectories are spread over several servers."""
+
+    max_sticky_turns: int = Field(32, ge=1)
+    """Turns a trajectory stays on one server (its prefix cache)."""
+    load_factor: float = Field(2.0, ge=1)
+    """Move a trajectory off a server this much busier than the least busy one."""
+    cooloff_s: float = Field(30.0, ge=0)
+    """How long a failed server is left out."""
+
+
+class _ServerEngineConfig(Strict):
+    urls: list[str] = Field(min_length=1)
+    """The servers' base URLs; several go behind a load balancer."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the API key."""
+    timeout_s: float = Field(300.0, gt=0)
+    """One request."""
+    max_retries: int = Field(3, ge=0)
+    """Retries of connection errors, 5xx and timeouts."""
+    retry_budget_s: float = Field(600.0, gt=0)
+    """Total seconds of retrying for one request."""
+    balancer: BalancerConfig = Field(default_factory=BalancerConfig)
+    """Several URLs: how trajectories are spread over them."""
+    ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
+    """Register the servers in a Ray registry that other nodes share; off: reached by URL only."""
+
+
+class OpenAIEngineConfig(_ServerEngineConfig):
+    """OpenAI-compatible completions servers with token ids in and out (vLLM, SGLang, llama.cpp)."""
+
+    kind: Literal["openai"]
+    """openai: completions servers reached by URL."""
+    dialect: Literal["vllm", "sglang", "llamacpp"] = "vllm"
+    """Which server speaks (each asks for token ids and logprobs its own way)."""
+    served_model: str | None = None
+    """The servers' "model" field (None: the run's model)."""
+
+
+class SGLangEngineConfig(_ServerEngineConfig):
+    """SGLang servers through their native ``/generate`` endpoint."""
+
+    kind: Literal["sglang"]
+    """sglang: SGLang's native API, reached by URL."""
+
+
+class VLLMEngineConfig(Strict):
+    """vLLM in this process (``pip install vllm``)."""
+
+    kind: Literal["vllm"]
+    """vllm: vLLM's AsyncLLMEngine in this process."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """vLLM's AsyncEngineArgs (gpu_memory_utilization, tensor_parallel_size...)."""
+    ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
+    """Engine actors on Ray; off: in this process."""
+
+
+def _engine_kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("kind", "hf"))
+    return str(getattr(value, "kind", "hf"))
+
+
+EngineConfig = Annotated[
+    Annotated[HFEngineConfig, Tag("hf")]
+    | Annotated[OpenAIEngineConfig, Tag("openai")]
+    | Annotated[SGLangEngineConfig, Tag("sglang")]
+    | Annotated[VLLMEngineConfig, Tag("vllm")],
+    Discriminator(_engine_kind),
+]
+"""The engine section: ``kind`` picks the class, and so which keys are allowed."""
+
+AnyEngineConfig = HFEngineConfig | OpenAIEngineConfig | SGLangEngineConfig | VLLMEngineConfig
+ENGINE_KINDS = ("hf", "openai", "sglang", "vllm")
+
+
+# ---- the other parts -----------------------------------------------------------------------
+
+
+class ChatConfig(Strict):
     """Chat template options."""
 
-    template_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. {enable_thinking: false}
-    check: Literal["strict", "ignore_strippable", "disable"] = "strict"  # end-of-trajectory check
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the chat template, e.g. {enable_thinking: false}."""
+    check: Literal["strict", "ignore_strippable", "disable"] = "strict"
+    """End-of-trajectory sanity check against a full re-render."""
 
 
-class EnvConfig(_Strict):
+class EnvConfig(Strict):
     """The environment: a registered name or ``module:Class``, and its constructor kwargs."""
 
     name: str
+    """A registered env (guess_number, math_tools...) or "module:Class"."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    ray: RayEnvConfig = Field(default_factory=RayEnvConfig)  # env workers on Ray; off: in-process
+    """Passed to the env's constructor after the sample."""
+    ray: RayEnvConfig = Field(default_factory=RayEnvConfig)
+    """Env workers on Ray; off: in-process."""
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     """Where samples come from: a JSONL/JSON file, or a generator (registered env data or module:fn)."""
 
-    path: str | None = None  # JSONL or JSON list of rows with at least a "prompt"
-    generator: str | None = None  # "module:function" returning rows; default: the env's own data
-    kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the generator
-    limit: int | None = Field(None, ge=1)  # use the first N samples
+    path: str | None = None
+    """JSONL or JSON list of rows with at least a "prompt"."""
+    generator: str | None = None
+    """"module:function" returning rows; default: the env's own data."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the generator (or to the env's own data)."""
+    limit: int | None = Field(None, ge=1)
+    """Use the first N samples."""
 
 
-class SamplingConfig(_Strict):
-    """Per-turn sampling."""
+class RolloutConfig(Strict):
+    """How many trajectories per prompt, and how many at once."""
 
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    max_tokens: int = Field(256, ge=1)
-    stop_token_ids: list[int] = Field(default_factory=list)  # extra stop tokens, on top of the eos ids
-
-    def params(self, seed: int | None = None) -> SamplingParams:
-        """The engine's sampling params."""
-        stops = tuple(self.stop_token_ids)
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens, stops, seed)
+    group_size: int = Field(1, ge=1)
+    """Trajectories per prompt (a GRPO group)."""
+    concurrency: int = Field(32, ge=1)
+    """Trajectories in flight."""
 
 
-class LimitsConfig(_Strict):
+class CollectConfig(RolloutConfig):
+    """A ``turnrl rollout`` run's rollout section: the shared one, plus per-turn logging."""
+
+    log_turns: bool = False
+    """Also write every turn to turns.jsonl as it happens."""
+
+
+class RunSections(Strict):
+    """The sections every run shares (``turnrl rollout``, ``turnrl train``, the integrations)."""
+
+    model: str
+    """HF id in the local cache, a local folder, or a shipped name: tiny-qwen3, smollm2-135m."""
+    env: EnvConfig
+    """The environment."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """The prompts."""
+    engine: EngineConfig = Field(default_factory=HFEngineConfig)
+    """The engine that generates."""
+    chat: ChatConfig = Field(default_factory=ChatConfig)
+    """Chat template options."""
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    """Per-turn sampling (each request's seed derives from the run's seed)."""
+    limits: Limits = Field(default_factory=Limits)
     """When trajectories stop."""
-
-    max_turns: int = Field(8, ge=1)
-    max_context_tokens: int = Field(4096, ge=16)
-    max_response_tokens: int | None = Field(None, ge=1)
-    max_env_retries_per_turn: int = Field(2, ge=0)
-    env_timeout_s: float | None = Field(60.0, gt=0)
-
-    def limits(self) -> Limits:
-        """The loop's limits."""
-        return Limits(**self.model_dump())
-
-
-class RolloutConfig(_Strict):
-    """How many trajectories, and how many at once."""
-
-    n: int = Field(1, ge=1)  # trajectories per prompt (a GRPO group)
-    concurrency: int = Field(32, ge=1)  # trajectories in flight
+    rewards: dict[str, str] = Field(default_factory=dict)
+    """data_source -> "module:function" scoring one trajectory: fn(RewardContext) -> float."""
+    group_rewards: dict[str, str] = Field(default_factory=dict)
+    """data_source -> "module:function" scoring a whole group: fn(list[RewardContext]) -> list[float]."""
     seed: int = 0
-    log_turns: bool = False  # also write every turn to turns.jsonl as it happens
+    """The run's seed: sampling, env and prompt-order seeds derive from it."""
+
+    @field_validator("sampling")
+    @classmethod
+    def _one_seed(cls, sampling: SamplingParams) -> SamplingParams:
+        if sampling.seed is not None:
+            raise ValueError("set the run's top-level seed instead (every request's seed derives from it)")
+        return sampling
 
 
-class RunConfig(_Strict):
+class RunConfig(RunSections):
     """A whole ``turnrl rollout`` run."""
 
-    model: str  # HF id, local folder, or a shipped name: tiny-qwen3, smollm2-135m
-    env: EnvConfig
-    data: DataConfig = Field(default_factory=DataConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    chat: ChatConfig = Field(default_factory=ChatConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    rewards: dict[str, str] = Field(default_factory=dict)  # data_source -> "module:function"
+    rollout: CollectConfig = Field(default_factory=CollectConfig)
+    """Group size, concurrency, per-turn logging."""
     output_dir: str = "runs/rollout"
+    """Where trajectories.jsonl, summary.json and config.yaml go."""
+
+
+# ---- loading -------------------------------------------------------------------------------
 
 
 def _parse_value(raw: str) -> Any:
@@ -145,14 +301,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _first_error(exc: ValidationError) -> str:
+def first_error(exc: ValidationError) -> str:
+    """One line naming the first invalid key (and how many more there are)."""
     err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "config"
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in ENGINE_KINDS)]
+    where = ".".join(loc) or "config"
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     if err["type"] == "extra_forbidden":
         return f"unknown config key {where!r}{more}"
     if err["type"] == "missing":
         return f"missing config key {where!r}{more}"
+    if err["type"] == "union_tag_invalid":
+        return f"config key {where + '.kind'!r}: must be one of {', '.join(ENGINE_KINDS)}{more}"
     return f"config key {where!r}: {err['msg']}{more}"
 
 
@@ -173,15 +333,24 @@ def read_yaml_mapping(path: str | os.PathLike[str], error: type[ValueError] = Co
     return data
 
 
-def load_model_config(path: str | Path, model: type[M], overrides: list[str] | None = None) -> M:
-    """Read a YAML config, apply ``--set`` overrides, validate it as ``model``."""
-    data = apply_overrides(read_yaml_mapping(path), overrides or [])
+def validate(model: type[M], data: dict[str, Any]) -> M:
+    """``data`` as ``model``; ConfigError with one line naming the first bad key."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_first_error(exc)) from None
+        raise ConfigError(first_error(exc)) from None
+
+
+def load_model_config(path: str | Path, model: type[M], overrides: list[str] | None = None) -> M:
+    """Read a YAML config, apply ``--set`` overrides, validate it as ``model``."""
+    return validate(model, apply_overrides(read_yaml_mapping(path), overrides or []))
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a rollout config, apply overrides, validate."""
     return load_model_config(path, RunConfig, overrides)
+
+
+def dump_config(config: BaseModel) -> dict[str, Any]:
+    """The resolved config as plain YAML-ready data (tuples as lists)."""
+    return yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)) or {}

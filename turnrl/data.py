@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from turnrl.types import Message, Sample
 
@@ -23,7 +23,7 @@ def _prompt(row: dict[str, Any], where: str) -> list[Message]:
     if isinstance(prompt, str):
         messages: list[Message] = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
-        messages = [dict(m) for m in prompt]
+        messages = [cast(Message, dict(m)) for m in prompt]
     else:
         raise DataError(f"{where}: 'prompt' must be a string or a list of chat messages")
     if row.get("system") and messages[0]["role"] != "system":

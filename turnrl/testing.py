@@ -1,12 +1,16 @@
-"""Small envs for tests and smoke runs: deterministic, instant, and failing on purpose."""
+"""Test doubles for users' own tests: a scripted engine (fixed replies, exact tokens) and small envs
+that are deterministic, instant, and failing on purpose."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from turnrl.env.base import Env, StepResult
-from turnrl.types import Sample
+from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
+from turnrl.env.base import Env
+from turnrl.types import Message, Sample, StepResult
+
+__all__ = ["BrokenResetEnv", "EchoEnv", "FlakyEnv", "ScriptedEngine", "ScriptedReply"]
 
 
 class EchoEnv(Env):
@@ -72,6 +76,6 @@ class FlakyEnv(EchoEnv):
 class BrokenResetEnv(EchoEnv):
     """Raises in reset, always."""
 
-    async def reset(self) -> list[dict[str, Any]]:
+    async def reset(self) -> list[Message]:
         """Fail."""
         raise RuntimeError("reset is broken")

@@ -1,13 +1,49 @@
-"""Protocol types shared by every part: samples, turns, trajectories, stop reasons."""
+"""The protocol: every type that crosses a part boundary, declared once.
+
+Data (``Sample``, ``Message``, ``Turn``, ``Trajectory``, ``StepResult``), the closed choices
+(``StopReason``, ``FinishReason``), what an engine is asked and answers (``SamplingParams``,
+``Generation``), the engine protocol and its optional capabilities (``Abortable``,
+``WeightUpdatable``). This module imports nothing of turnrl; the JSON codec of a trajectory
+lives in ``turnrl.rollout.jsonl``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    Literal,
+    NotRequired,
+    Protocol,
+    TypeAlias,
+    TypedDict,
+    runtime_checkable,
+)
 
-Message = dict[str, Any]
-"""A chat message in the OpenAI / Hugging Face format: ``{"role": ..., "content": ...}``."""
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+if TYPE_CHECKING:
+    import torch
+
+SCHEMA_VERSION = 2
+"""Version of the trajectory record written to ``trajectories.jsonl`` (bumped on any field change)."""
+
+
+class Message(TypedDict):
+    """A chat message in the OpenAI / Hugging Face format."""
+
+    role: str  # system, user, assistant or tool
+    content: NotRequired[Any]  # a string, or a list of parts ({"type": "text" | "image", ...})
+    tool_calls: NotRequired[list[dict[str, Any]]]  # assistant: OpenAI-style function calls
+    tool_call_id: NotRequired[str]  # tool: the call this result answers
+    name: NotRequired[str]  # tool: the tool's name
+    reasoning_content: NotRequired[str]  # assistant: reasoning kept apart from the answer
 
 
 class StopReason(StrEnum):
@@ -18,14 +54,19 @@ class StopReason(StrEnum):
     MAX_TURNS = "max_turns"  # the model used all its turns (truncated)
     TOKEN_BUDGET = "token_budget"  # the trajectory's token budget or the context ran out (truncated)
     LENGTH = "length"  # one generation hit its per-turn max_tokens (truncated)
-    ENV_ERROR = "env_error"  # the env failed more often than its retry budget allows
+    ENV_ERROR = "env_error"  # the env (reset, step, observation, tools) failed past its retry budget
     ENGINE_ERROR = "engine_error"  # the engine failed and could not be retried
+    INTERNAL_ERROR = "internal_error"  # a bug in turnrl or in a hook; the error names it
     ABORTED = "aborted"  # generation was aborted (shutdown, weight update)
 
     @property
     def truncated(self) -> bool:
         """True when the episode was cut short rather than ended by the task."""
         return self in (StopReason.MAX_TURNS, StopReason.TOKEN_BUDGET, StopReason.LENGTH)
+
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why one generation ended: a stop token, its max_tokens, or an abort."""
 
 
 @dataclass
@@ -38,6 +79,7 @@ class Sample:
     tools: list[str] | None = None  # names of the tools this sample may use (None: all the env has)
     tools_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per tool: create/execute kwargs
     metadata: dict[str, Any] = field(default_factory=dict)  # anything else of the row (ground truth...)
+    seed: int | None = None  # the env's seed for this trajectory (set by the rollout per trajectory)
 
 
 @dataclass
@@ -49,7 +91,7 @@ class Turn:
     end: int  # one past the last index in response_ids
     text: str  # the segment decoded (model turns: exactly the sampled tokens)
     timings: dict[str, float] = field(default_factory=dict)  # seconds: generate / env / encode
-    finish_reason: str | None = None  # model turns: stop / length / abort
+    finish_reason: FinishReason | None = None  # model turns: why the generation ended
     reward: float | None = None  # env reward returned for this model turn's action
     env_retries: int = 0  # failed env attempts before this observation
 
@@ -61,15 +103,15 @@ class Trajectory:
     id: str  # "<sample id>/<index in group>"
     group_id: str  # the sample id: trajectories of one prompt form a GRPO group
     data_source: str  # copied from the sample
-    prompt_ids: list[int]  # the encoded prompt, exactly as sent to the engine
-    response_ids: list[int]  # every token after the prompt: model and env tokens interleaved
-    loss_mask: list[int]  # per response token: 1 sampled by the model, 0 inserted by env or template
-    rollout_logprobs: list[float]  # per response token: sampled logprob (0.0 where mask is 0)
-    turns: list[Turn]  # response segments in order, with spans into response_ids
-    messages: list[Message]  # the conversation as chat messages (prompt + every turn)
+    stop_reason: StopReason  # why the episode ended
+    prompt_ids: list[int] = field(default_factory=list)  # the encoded prompt, exactly as sent to the engine
+    response_ids: list[int] = field(default_factory=list)  # every token after the prompt, model and env
+    loss_mask: list[int] = field(default_factory=list)  # per response token: 1 sampled, 0 env or template
+    rollout_logprobs: list[float] = field(default_factory=list)  # per response token (0.0 where mask is 0)
+    turns: list[Turn] = field(default_factory=list)  # response segments in order, spans into response_ids
+    messages: list[Message] = field(default_factory=list)  # the conversation (prompt + every turn)
     reward: float = 0.0  # final scalar reward for the whole trajectory
     turn_rewards: list[float] = field(default_factory=list)  # env reward per model turn
-    stop_reason: StopReason = StopReason.ENV_DONE  # why the episode ended
     num_turns: int = 0  # number of model turns
     metrics: dict[str, Any] = field(default_factory=dict)  # timings, counts, sanity check results
     sample_index: int = 0  # index of this trajectory inside its group
@@ -89,34 +131,130 @@ class Trajectory:
         """The whole sequence: prompt then response."""
         return self.prompt_ids + self.response_ids
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; the stop reason is its string value. Images become PNG data URLs
-        in ``images``, and message image parts ``{"type": "image", "image_index": k}``; the
-        training tensors are left out (``turnrl.vision`` recomputes them from the images)."""
-        images, self.images = self.images, []
-        tensors, self.multimodal_inputs = self.multimodal_inputs, {}
-        try:
-            out = asdict(self)
-        finally:
-            self.images, self.multimodal_inputs = images, tensors
-        del out["multimodal_inputs"]
-        out["stop_reason"] = self.stop_reason.value
-        if images:
-            from turnrl.vision.content import data_url, messages_to_json
 
-            out["messages"] = messages_to_json(self.messages, images)
-            out["images"] = [data_url(image) for image in images]
-        return out
+Observation: TypeAlias = Any
+"""What ``Env.step`` returns for the model to see: a string, a dict, messages...;
+``Env.format_observation`` turns it into chat messages."""
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
-        """The inverse of ``to_dict`` (images come back as PIL images)."""
-        data = dict(data)
-        data["stop_reason"] = StopReason(data["stop_reason"])
-        data["turns"] = [Turn(**t) for t in data.get("turns", [])]
-        if data.get("images"):
-            from turnrl.vision.content import load_image, messages_from_json
 
-            data["images"] = [load_image(url) for url in data["images"]]
-            data["messages"] = messages_from_json(data["messages"], data["images"])
-        return cls(**data)
+@dataclass
+class StepResult:
+    """The outcome of one env step."""
+
+    observation: Observation  # what the model sees next (ignored when done)
+    reward: float = 0.0  # reward for this action
+    done: bool = False  # the episode is over
+    info: dict[str, Any] = field(default_factory=dict)  # free-form; numbers are summed into the trajectory
+    stop_reason: StopReason | None = None  # why it is over, when done (default: env_done)
+
+
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
+class SamplingParams:
+    """How to sample one generation; also the ``sampling`` section of a run config."""
+
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    """0 means greedy."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling; 1.0 keeps the whole distribution."""
+    top_k: Annotated[int, Field(ge=0)] = 0
+    """0 keeps every token."""
+    max_tokens: Annotated[int, Field(ge=1)] = 256
+    """Per generation; the rollout lowers it to the trajectory's budget left."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens, on top of the model's eos ids."""
+    seed: int | None = None
+    """This request's seed (a run config sets the run's top-level ``seed`` instead)."""
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """A copy with another max_tokens."""
+        return replace(self, max_tokens=max_tokens)
+
+    def for_request(self, max_tokens: int, seed: int | None) -> SamplingParams:
+        """A copy for one request, without re-validating (the rollout calls it every turn)."""
+        new = object.__new__(SamplingParams)
+        new.__dict__.update(self.__dict__, max_tokens=max_tokens, seed=seed)
+        return new
+
+
+@dataclass
+class Generation:
+    """What the engine sampled for one request.
+
+    ``token_ids`` are exactly the sampled tokens, including the stop token when the
+    generation ended on one (``finish_reason == "stop"``). ``logprobs[i]`` is the
+    log-probability of ``token_ids[i]`` under ``softmax(logits / temperature)`` over the
+    full vocabulary, before top-k / top-p filtering (greedy: temperature 1), which is the
+    distribution a trainer recomputes with a forward pass.
+    """
+
+    token_ids: list[int]  # sampled token ids, stop token included
+    logprobs: list[float]  # one per token in token_ids
+    finish_reason: FinishReason  # stop: eos or stop token; length: max_tokens; abort: cut off
+    info: dict[str, Any] | None = None  # engine-specific extras (server, timings...)
+    versions: list[int] | None = None  # per token: the weight version that sampled it, if known
+
+
+class EngineError(RuntimeError):
+    """The engine failed for a request and retrying will not help."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Generates from token ids; many callers may await it concurrently."""
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[Any] = (),
+        *,
+        session: str | None = None,
+    ) -> Generation:
+        """Sample a continuation of ``prompt_ids``.
+
+        The rollout passes its live token list without copying; the caller appends to it
+        after the call returns, so an engine that keeps the ids beyond the call must copy them.
+        ``session`` names the trajectory (every turn of it passes the same one), so engines
+        behind a load balancer can keep its turns on one server's prefix cache; others ignore it.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Release the engine's resources."""
+        ...
+
+
+@runtime_checkable
+class Abortable(Protocol):
+    """An engine that can end every generation in flight, keeping what each has sampled."""
+
+    async def abort_all(self) -> None:
+        """End every running request with finish_reason "abort"."""
+        ...
+
+
+Weights: TypeAlias = "Mapping[str, torch.Tensor] | str | os.PathLike[str]"
+"""New weights: a state dict (in-process engines) or a saved Hugging Face checkpoint folder."""
+
+
+@runtime_checkable
+class WeightUpdatable(Protocol):
+    """An engine whose weights can be replaced while it runs."""
+
+    async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
+        """Load new weights; return the new weight version (``version``, else the previous + 1)."""
+        ...
+
+
+def as_abortable(engine: object) -> Abortable:
+    """The engine, if it can abort everything in flight; a clear TypeError otherwise."""
+    if not isinstance(engine, Abortable):
+        raise TypeError(f"{type(engine).__name__} cannot abort generations in flight (no abort_all)")
+    return engine
+
+
+def as_updatable(engine: object) -> WeightUpdatable:
+    """The engine, if its weights can be updated; a clear TypeError otherwise."""
+    if not isinstance(engine, WeightUpdatable):
+        raise TypeError(f"{type(engine).__name__} cannot update its weights (no update_weights)")
+    return engine

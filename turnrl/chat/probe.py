@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from turnrl.chat.template import ChatTemplate, ChatTemplateError
 from turnrl.types import Message
@@ -128,7 +128,7 @@ def _probe_role(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None, role:
     odd = "\n  " + _mark(0) + " \n"
     if _render_tail(tpl, tools, [observation_message(role, odd)], True) != _assemble(shape, [odd]):
         return "content is trimmed or escaped by the template"
-    other = dict(observation_message(role, _mark(0)), name="other", tool_call_id="call_9")
+    other = cast(Message, dict(observation_message(role, _mark(0)), name="other", tool_call_id="call_9"))
     if role == "tool" and _render_tail(tpl, tools, [other], True) != first:
         return "rendering depends on the tool name or call id"
     return shape
@@ -177,7 +177,9 @@ def _probe_image(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None, role
     same text as a string (so the fast path can flatten it); None when the template has no images."""
     parts = [{"type": "text", "text": _mark(0)}, {"type": "image"}, {"type": "text", "text": _mark(1)}]
     try:
-        listed = _render_tail(tpl, tools, [dict(observation_message(role, ""), content=parts)], True)
+        listed = _render_tail(
+            tpl, tools, [cast(Message, dict(observation_message(role, ""), content=parts))], True
+        )
     except ChatTemplateError:
         return None
     if listed.count(_mark(0)) != 1 or listed.count(_mark(1)) != 1:

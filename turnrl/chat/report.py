@@ -149,9 +149,11 @@ def report_for(encoder: ChatEncoder, model: str, tools: Tools = None) -> Templat
 
 
 def check_template(
-    model: str, tools: Tools = None, template_kwargs: dict[str, Any] | None = None
+    tokenizer: Any,
+    tools: Tools = None,
+    template_kwargs: dict[str, Any] | None = None,
+    name: str | None = None,
 ) -> TemplateReport:
-    """Load ``model``'s tokenizer (offline) and report on its chat template."""
-    from turnrl.models import load_tokenizer
-
-    return report_for(ChatEncoder(load_tokenizer(model), template_kwargs), model, tools)
+    """Report on ``tokenizer``'s chat template (``name``: what the report calls the model)."""
+    label = name or str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+    return report_for(ChatEncoder(tokenizer, template_kwargs), label, tools)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from turnrl.distributed.config import RayEngineConfig, RayEnvConfig
+from turnrl.config import RayEngineConfig, RayEnvConfig
 
 if TYPE_CHECKING:
     from turnrl.distributed.ray_engines import (
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
         start_engine_actor,
     )
     from turnrl.distributed.ray_envs import RayEnvFactory, RayEnvPool, RemoteEnv, ray_env_factory
-    from turnrl.distributed.registry_engine import RegistryEngine, ray_engine
+    from turnrl.distributed.registry_engine import RegistryEngine
 
 _NEED_RAY = {
     "RayEnvFactory": "ray_envs",
@@ -29,7 +29,6 @@ _NEED_RAY = {
     "RayEngine": "ray_engines",
     "RegistryEngine": "registry_engine",
     "get_registry": "ray_engines",
-    "ray_engine": "registry_engine",
     "register_actor": "ray_engines",
     "register_server": "ray_engines",
     "start_engine_actor": "ray_engines",
@@ -54,7 +53,6 @@ __all__ = [
     "RegistryEngine",
     "RemoteEnv",
     "get_registry",
-    "ray_engine",
     "ray_env_factory",
     "register_actor",
     "register_server",

@@ -2,9 +2,8 @@
 
 Plain Python, no Ray: ``ray_engines`` wraps ``EngineHost`` in ``ray.remote``. Every method is
 async, so Ray runs it as an async actor and concurrent ``generate`` calls reach the engine
-together (the embedded engine batches them). The engine is built in the host from an
-``EngineBuild`` (a model and an engine config, as the driver would build it locally) or from
-any picklable zero-argument callable that returns an engine.
+together (the embedded engine batches them). The engine is built in the host by a picklable
+zero-argument callable (``turnrl.app.engines.EngineBuild`` builds one from a run config).
 """
 
 from __future__ import annotations
@@ -12,29 +11,9 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
-from turnrl.engines.base import Engine, EngineError, Generation, SamplingParams
-from turnrl.engines.weights import Weights, WeightUpdatable
-
-if TYPE_CHECKING:
-    from turnrl.config import EngineConfig
-
-
-@dataclass(frozen=True)
-class EngineBuild:
-    """How a host builds its engine: ``model`` and ``engine`` as a run config gives them."""
-
-    model: str  # HF id, local folder or shipped name, resolved on the host's node
-    engine: EngineConfig  # its ``ray`` section is ignored: the host runs the engine in-process
-
-    def __call__(self) -> Engine:
-        """The engine, built as ``turnrl rollout`` builds it without Ray."""
-        from turnrl.rollout.runner import local_engine
-
-        engine, _ = local_engine(self.model, self.engine)
-        return engine
+from turnrl.types import Abortable, Engine, EngineError, Generation, SamplingParams, Weights, WeightUpdatable
 
 
 class EngineHost:
@@ -64,16 +43,15 @@ class EngineHost:
 
     async def abort_all(self) -> None:
         """Abort every generation in flight (they return with finish_reason "abort")."""
-        abort = getattr(self.engine, "abort_all", None)
-        if not callable(abort):
+        if not isinstance(self.engine, Abortable):
             raise EngineError(f"{type(self.engine).__name__} cannot abort generations in flight")
-        await abort()
+        await self.engine.abort_all()
 
     async def update_weights(self, weights: Weights, version: int | None = None) -> int:
         """Load new weights (a state dict, or a checkpoint folder on this node); the new version."""
-        if not callable(getattr(self.engine, "update_weights", None)):
+        if not isinstance(self.engine, WeightUpdatable):
             raise EngineError(f"{type(self.engine).__name__} cannot update its weights")
-        self.version = await cast(WeightUpdatable, self.engine).update_weights(weights, version=version)
+        self.version = await self.engine.update_weights(weights, version=version)
         return self.version
 
     async def close(self) -> None:

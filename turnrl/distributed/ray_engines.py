@@ -18,11 +18,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from turnrl.distributed.config import RayEngineConfig
+from turnrl.config import RayEngineConfig
 from turnrl.distributed.engine_host import EngineHost
 from turnrl.distributed.registry import EngineEntry, EngineRegistry
-from turnrl.engines.base import Engine, Generation, SamplingParams
-from turnrl.engines.weights import Weights
+from turnrl.types import Engine, Generation, SamplingParams, Weights
 
 try:
     import ray
@@ -228,7 +227,7 @@ def wait_for_entries(registry: Any, min_engines: int = 1, timeout_s: float = 300
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"the engine registry lists {len(entries)} engine(s) after {timeout_s:g} s; "
-                f"waiting for {min_engines} (start them with python -m turnrl.distributed.serve)"
+                f"waiting for {min_engines} (start them with turnrl serve)"
             )
         time.sleep(0.2)
 

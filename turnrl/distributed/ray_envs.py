@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from turnrl.distributed.config import RayEnvConfig
+from turnrl.config import RayEnvConfig
 from turnrl.distributed.worker import EnvSpec, EnvWorker, Tools
-from turnrl.env.base import Env, Observation, StepResult
-from turnrl.types import Message, Sample, Trajectory
+from turnrl.env.base import Env
+from turnrl.types import Message, Observation, Sample, StepResult, Trajectory
 
 try:
     import ray

@@ -7,8 +7,7 @@ registry's health check). An engine that fails in the middle of a call is the ba
 business, as for servers: it is marked down, the call is tried once more on another engine
 (same prompt, same seed: the same tokens from a seeded engine), and the trajectory goes on.
 
-``ray_engine`` builds what ``engine.ray`` asks for: engine actors behind a balancer, or behind
-a RegistryEngine when a registry is named.
+``turnrl.app.engines`` builds what a config's ``engine.ray`` asks for from these parts.
 """
 
 from __future__ import annotations
@@ -17,31 +16,15 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from turnrl.distributed.config import RayEngineConfig
-from turnrl.distributed.engine_host import EngineBuild
 from turnrl.distributed.ray_engines import (
     RayEngine,
-    actor_name,
     await_call,
-    connect,
-    get_registry,
-    kill,
-    register_actor,
-    register_server,
-    start_replica,
-    wait_for_entries,
-    wait_ready,
 )
 from turnrl.distributed.registry import EngineEntry
 from turnrl.engines.balancer import BalancedEngine, EngineStats
-from turnrl.engines.base import Engine, Generation, SamplingParams
-from turnrl.engines.weights import Weights, WeightUpdatable
-
-if TYPE_CHECKING:
-    from turnrl.config import EngineConfig
+from turnrl.types import Engine, Generation, SamplingParams, Weights, as_updatable
 
 ServerFactory = Callable[[EngineEntry], Engine]
 """Builds the driver's client for a registered server."""
@@ -182,7 +165,7 @@ class RegistryEngine:
             if self._weights is not None:
                 weights, version = self._weights
                 try:
-                    await _updatable(engine).update_weights(weights, version=version)
+                    await as_updatable(engine).update_weights(weights, version=version)
                 except Exception as exc:
                     self.refresh_error = f"{name} joined but its weight update failed: {exc}"
                     await engine.close()
@@ -200,71 +183,3 @@ class RegistryEngine:
         if self._make_server is None:
             raise ValueError(f"registered server {entry.name!r} needs make_server to be reached")
         return self._make_server(entry)
-
-
-def _updatable(engine: Engine) -> WeightUpdatable:
-    """The engine as one whose weights can be updated; TypeError if it cannot be."""
-    if not callable(getattr(engine, "update_weights", None)):
-        raise TypeError(f"{type(engine).__name__} cannot update its weights")
-    return engine  # type: ignore[return-value]
-
-
-def server_for_entry(config: EngineConfig, tokenizer: Any, entry: EngineEntry) -> Engine:
-    """The driver's client for a registered server, with the driver's timeouts and retries."""
-    from turnrl.rollout.runner import server_engine
-
-    update: dict[str, Any] = {
-        "kind": entry.kind,
-        "dialect": entry.dialect,
-        "urls": [entry.url],
-        "ray": RayEngineConfig(),
-    }
-    if entry.served_model:
-        update["served_model"] = entry.served_model
-    return server_engine(config.model_copy(update=update), tokenizer)
-
-
-def ray_engine(model: str, config: EngineConfig, tokenizer: Any) -> BalancedEngine | RegistryEngine:
-    """The engine ``engine.ray`` asks for; blocks until its engines are up.
-
-    Embedded kinds (``hf``, ``vllm``): ``replicas`` engine actors, each building ``model`` with
-    this config. Server kinds (``openai``, ``sglang``): ``engine.urls`` are registered as
-    servers (a registry is needed). Without a registry, a balancer over the actors; with one,
-    a RegistryEngine over everything registered there (waiting for ``min_engines``).
-    """
-    rc = config.ray
-    servers = config.kind in ("openai", "sglang")
-    if rc.registry is None and (servers or rc.replicas == 0):
-        what = "a server engine" if servers else "replicas: 0"
-        raise ValueError(f"engine.ray with {what} needs engine.ray.registry (where other nodes register)")
-    connect(rc.address)
-    build = EngineBuild(model, config.model_copy(update={"ray": RayEngineConfig()}))
-    handles = [] if servers else [start_replica(build, rc) for _ in range(rc.replicas)]
-    balancer_kwargs: dict[str, Any] = {
-        "max_sticky_turns": config.max_sticky_turns,
-        "load_factor": config.load_factor,
-        "cooloff_s": config.cooloff_s,
-    }
-    try:
-        infos = wait_ready(handles, rc.start_timeout_s)
-        if rc.registry is None:
-            names = [actor_name(info) for info in infos]
-            engines = [RayEngine(h, n, owned=True) for h, n in zip(handles, names, strict=True)]
-            return BalancedEngine(engines, names=names, **balancer_kwargs)
-        registry = get_registry(rc.registry, rc.namespace, health_interval_s=rc.health_interval_s)
-        owned = [register_actor(registry, h) for h in handles]
-        owned += [
-            register_server(
-                registry, url, kind=config.kind, dialect=config.dialect, served_model=config.served_model
-            )
-            for url in (config.urls if servers else [])
-        ]
-        entries = wait_for_entries(registry, rc.min_engines, rc.start_timeout_s)
-    except BaseException:
-        for handle in handles:
-            kill(handle)
-        raise
-    make_server = partial(server_for_entry, config, tokenizer)
-    return RegistryEngine(
-        registry, entries, make_server=make_server, refresh_s=rc.refresh_s, owned=owned, **balancer_kwargs
-    )

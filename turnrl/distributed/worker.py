@@ -15,9 +15,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from turnrl.env.base import Env, StepResult
+from turnrl.env.base import Env
 from turnrl.env.registry import resolve_env
-from turnrl.types import Message, Sample, Trajectory
+from turnrl.types import Message, Sample, StepResult, Trajectory
 
 T = TypeVar("T")
 Tools = list[dict[str, Any]] | None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from turnrl.engines.base import Engine, EngineError, FinishReason, Generation, SamplingParams
 from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
+from turnrl.types import Engine, EngineError, FinishReason, Generation, SamplingParams
 
 if TYPE_CHECKING:
     from turnrl.engines.balancer import BalancedEngine

@@ -28,17 +28,21 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any
 
-from turnrl.engines.base import Engine, EngineError, Generation, SamplingParams
 from turnrl.engines.http import ServerError
-from turnrl.engines.weights import Weights, WeightUpdatable
+from turnrl.types import (
+    Abortable,
+    Engine,
+    EngineError,
+    Generation,
+    SamplingParams,
+    Weights,
+    as_abortable,
+    as_updatable,
+)
 
 _MAX_SESSIONS = 100_000  # remembered sessions; the least recently used are forgotten first
-
-
-class _Abortable(Protocol):
-    async def abort_all(self) -> None: ...
 
 
 @dataclass
@@ -157,12 +161,10 @@ class BalancedEngine:
     async def abort_all(self) -> None:
         """Abort the generations in flight on every engine not retired (each must have ``abort_all``)."""
         targets = self.active()
-        missing = [
-            self.stats[i].name for i in targets if not callable(getattr(self.engines[i], "abort_all", None))
-        ]
+        missing = [self.stats[i].name for i in targets if not isinstance(self.engines[i], Abortable)]
         if missing:
             raise TypeError(f"cannot abort generations in flight on {', '.join(missing)} (no abort_all)")
-        calls = (cast(_Abortable, self.engines[i]).abort_all() for i in targets)
+        calls = (as_abortable(self.engines[i]).abort_all() for i in targets)
         results = await asyncio.gather(*calls, return_exceptions=True)
         self._raise_failures("abort_all", targets, results)
 
@@ -177,7 +179,7 @@ class BalancedEngine:
         if not targets:
             raise EngineError(f"no healthy engine among {len(self.active())} to update")
         new = self._version + 1 if version is None else version
-        calls = (cast(WeightUpdatable, self.engines[i]).update_weights(weights, version=new) for i in targets)
+        calls = (as_updatable(self.engines[i]).update_weights(weights, version=new) for i in targets)
         results = await asyncio.gather(*calls, return_exceptions=True)
         for i, result in zip(targets, results, strict=True):
             if not isinstance(result, BaseException):

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from turnrl.engines.base import EngineError, FinishReason, Generation, SamplingParams
-from turnrl.engines.weights import Weights, load_state_dict
+from turnrl.engines.weights import load_state_dict
+from turnrl.types import EngineError, FinishReason, Generation, SamplingParams, Weights
 from turnrl.vision.processor import ImageInput, ImageTokenError, VisionProcessor, as_image_inputs
 
 if TYPE_CHECKING:
@@ -351,21 +351,6 @@ class HFEngine:
         self._aborting = False
         self._thread: threading.Thread | None = None
 
-    @classmethod
-    def from_spec(
-        cls, spec: str, *, dtype: torch.dtype | str | None = None, device: str = "cpu", **kwargs: Any
-    ) -> HFEngine:
-        """Load a model and its tokenizer by spec (see ``turnrl.models.resolve_model``) and serve them."""
-        from turnrl.models import load_model, load_tokenizer, resolve_model
-
-        model_spec = resolve_model(spec)
-        from turnrl.models import load_vision_processor
-
-        model = load_model(model_spec, dtype=dtype, device=device)
-        tokenizer = load_tokenizer(model_spec)
-        kwargs.setdefault("vision", load_vision_processor(model_spec, tokenizer))
-        return cls(model, tokenizer, **kwargs)
-
     @property
     def model(self) -> PreTrainedModel:
         """The served model; change its weights through ``update_weights`` only."""
@@ -373,7 +358,7 @@ class HFEngine:
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
-        """The tokenizer given at construction (``from_spec`` loads the model's)."""
+        """The tokenizer given at construction (``turnrl.app.hf_engine`` loads the model's)."""
         return self._tokenizer
 
     @property

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from turnrl.engines.base import EngineError, FinishReason, Generation
+from turnrl.types import EngineError, FinishReason, Generation
 
 T = TypeVar("T")
 

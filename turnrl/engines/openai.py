@@ -46,10 +46,9 @@ from typing import Any, Literal
 
 import httpx
 
-from turnrl.engines.base import EngineError, Generation, SamplingParams
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present, require
 from turnrl.engines.sglang import checkpoint_path, post_update_weights_from_disk
-from turnrl.engines.weights import Weights
+from turnrl.types import EngineError, Generation, SamplingParams, Weights
 
 Dialect = Literal["vllm", "sglang", "llamacpp"]
 DIALECTS: tuple[Dialect, ...] = ("vllm", "sglang", "llamacpp")

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from turnrl.engines.base import EngineError, FinishReason, Generation, SamplingParams
+from turnrl.types import EngineError, FinishReason, Generation, SamplingParams
 
 
 class Tokenizer(Protocol):

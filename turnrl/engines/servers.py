@@ -23,8 +23,8 @@ from typing import IO
 
 import httpx
 
-from turnrl.engines.base import EngineError
-from turnrl.models import cache_dir
+from turnrl.cache import cache_dir
+from turnrl.types import EngineError
 
 # The sdist whose vendored llama.cpp install_server.sh builds; keep the two in step.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"

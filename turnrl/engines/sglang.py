@@ -27,9 +27,8 @@ from typing import Any
 
 import httpx
 
-from turnrl.engines.base import EngineError, Generation, SamplingParams
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present, require
-from turnrl.engines.weights import Weights
+from turnrl.types import EngineError, Generation, SamplingParams, Weights
 from turnrl.vision.content import data_url, load_image
 from turnrl.vision.processor import ImageInput
 

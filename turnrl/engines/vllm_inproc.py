@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from turnrl.engines.base import EngineError, FinishReason, Generation, SamplingParams
+from turnrl.types import EngineError, FinishReason, Generation, SamplingParams
 
 
 def _import_vllm() -> Any:

@@ -1,31 +1,18 @@
-"""The weight-update interface every engine shares, and loading a checkpoint folder's weights.
+"""Loading a checkpoint folder's weights for ``update_weights`` (see ``turnrl.types.WeightUpdatable``).
 
 ``update_weights`` takes either a state dict (in-process engines apply it directly) or the
 path of a saved Hugging Face checkpoint folder (servers load it from their own disk; an
-in-process engine reads its safetensors files). It returns the new weight version:
-``version`` when given, else the engine's previous version plus one.
+in-process engine reads its safetensors files with ``load_state_dict``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
-Weights: TypeAlias = "Mapping[str, torch.Tensor] | str | os.PathLike[str]"
-
-
-@runtime_checkable
-class WeightUpdatable(Protocol):
-    """An engine whose weights can be replaced while it runs."""
-
-    async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
-        """Load new weights (a state dict or a checkpoint folder); return the new weight version."""
-        ...
 
 
 def load_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

@@ -3,25 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from turnrl.types import Message, Sample, StopReason, Trajectory
-
-Observation = Any
-"""What ``step`` returns for the model to see: a string, a dict, messages... ``format_observation`` turns it
-into chat messages."""
-
-
-@dataclass
-class StepResult:
-    """The outcome of one env step."""
-
-    observation: Observation  # what the model sees next (ignored when done)
-    reward: float = 0.0  # reward for this action
-    done: bool = False  # the episode is over
-    info: dict[str, Any] = field(default_factory=dict)  # free-form; kept on the turn
-    stop_reason: StopReason | None = None  # why it is over, when done (default: env_done)
+from turnrl.types import Message, Observation, Sample, StepResult, Trajectory
 
 
 class Env:
@@ -50,7 +34,7 @@ class Env:
         if isinstance(observation, str):
             return [{"role": "user", "content": observation}]
         if isinstance(observation, dict):
-            return [observation]
+            return [cast(Message, observation)]
         if isinstance(observation, list):
             return observation
         raise TypeError(f"cannot format observation of type {type(observation).__name__}")

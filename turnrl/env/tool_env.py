@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from turnrl.env.base import Env, StepResult
+from turnrl.env.base import Env
 from turnrl.tools.base import BaseTool, ToolArgumentError, ToolCall, ToolOutput, as_tool_output
 from turnrl.tools.parsers import ToolParser, get_parser
-from turnrl.types import Message, Sample, StopReason, Trajectory
+from turnrl.types import Message, Sample, StepResult, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import random
 import re
 from typing import Any
 
-from turnrl.env.base import Env, StepResult
+from turnrl.env.base import Env
 from turnrl.tools import strip_reasoning
-from turnrl.types import Message, Sample
+from turnrl.types import Message, Sample, StepResult
 from turnrl.vision.content import load_image
 
 ACTIONS = ("left", "down", "right", "up")  # gymnasium's action ids 0, 1, 2, 3

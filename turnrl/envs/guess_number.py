@@ -12,9 +12,9 @@ import re
 import zlib
 from typing import Any
 
-from turnrl.env.base import Env, StepResult
+from turnrl.env.base import Env
 from turnrl.tools import strip_reasoning
-from turnrl.types import Message, Sample, Trajectory
+from turnrl.types import Message, Sample, StepResult, Trajectory
 
 SYSTEM_PROMPT = "You are playing a guessing game. Answer each turn with exactly one guess in brackets."
 _BRACKETED = re.compile(r"\[\s*(-?\d+)\s*\]")

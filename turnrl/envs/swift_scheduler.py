@@ -29,9 +29,9 @@ import random
 from abc import ABC, abstractmethod
 from typing import Any
 
-from turnrl.env.base import Env, StepResult
+from turnrl.env.base import Env
 from turnrl.envs.math_tools import answers_match, extract_answer, last_model_text
-from turnrl.types import Message, Sample, Trajectory
+from turnrl.types import Message, Sample, StepResult, Trajectory
 
 TIPS_SYSTEM_PROMPT = "Think step by step, then give the final answer as <answer>...</answer>."
 

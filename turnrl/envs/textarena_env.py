@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from turnrl.env.base import Env, StepResult
-from turnrl.types import Message, Sample, Trajectory
+from turnrl.env.base import Env
+from turnrl.types import Message, Sample, StepResult, Trajectory
 
 PLAYER_ID = 0
 

@@ -26,17 +26,17 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from turnrl.app.parts import build_env_factory
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import ChatConfig, EnvConfig, LimitsConfig, SamplingConfig, _first_error, read_yaml_mapping
+from turnrl.config import ChatConfig, EnvConfig, first_error, read_yaml_mapping
 from turnrl.data import sample_from_row
 from turnrl.env.base import EnvFactory
-from turnrl.env.registry import resolve_env
 from turnrl.imports import import_object
-from turnrl.rewards import RewardContext, register_reward, reward_fn_for
-from turnrl.rollout.loop import Limits
-from turnrl.types import Sample, Trajectory
+from turnrl.rewards import RewardContext, RewardFn, Rewards
+from turnrl.rollout.limits import Limits
+from turnrl.types import Sample, SamplingParams, Trajectory
 
 ENV_FIELD = "turnrl_env"  # a data row's own env: a registered name, module:Class, or {name, kwargs}
 REWARD_SOURCE = "reward_source"  # trajectory.metrics key: reward_fn / env_score / step_rewards
@@ -54,9 +54,27 @@ class AgentSettings(BaseModel):
 
     env: EnvConfig | None = None  # None: every data row names its env in ENV_FIELD
     chat: ChatConfig = Field(default_factory=ChatConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)  # only max_tokens is used, if set
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)  # only max_tokens is used, if set
+    limits: Limits = Field(default_factory=Limits)
     rewards: dict[str, str] = Field(default_factory=dict)  # data_source -> "module:function"
+    _given: dict[str, frozenset[str]] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_given(cls, data: Any, handler: Any) -> AgentSettings:
+        settings: AgentSettings = handler(data)
+        if isinstance(data, Mapping):
+            settings._given = {k: frozenset(v) for k, v in data.items() if isinstance(v, Mapping)}
+        return settings
+
+    def given(self, section: str, key: str) -> bool:
+        """Whether the config set ``section.key`` explicitly (else the trainer's value rules)."""
+        return key in self._given.get(section, frozenset())
+
+    def reward_routing(self) -> Rewards:
+        """The settings' reward functions, each noting where a reward came from (``tracked_reward``)."""
+        by_source = {src: import_object(fn, f"reward for {src!r}") for src, fn in self.rewards.items()}
+        return Rewards(default=tracked_reward(by_source))
 
 
 _LOCK = threading.Lock()
@@ -98,8 +116,7 @@ def load_settings(
 ) -> AgentSettings:
     """Settings from a turnrl config file (trainer-owned keys ignored) with ``overrides`` on top
     (these may hold only settings keys): an ``env`` there replaces the config's env whole, the other
-    sections are merged key by key. The reward functions are registered. Cached: each (path,
-    overrides) is read once per process."""
+    sections are merged key by key. Cached: each (path, overrides) is read once per process."""
     overrides = plain(dict(overrides or {}))
     key = json.dumps([os.fspath(path) if path else None, overrides], sort_keys=True, default=str)
     with _LOCK:
@@ -111,9 +128,8 @@ def load_settings(
     try:
         settings = AgentSettings.model_validate(data)
     except ValidationError as exc:
-        raise SettingsError(f"turnrl settings: {_first_error(exc)}") from None
-    for source, spec in settings.rewards.items():
-        register_reward(source, import_object(spec, f"reward for {source!r}"))
+        raise SettingsError(f"turnrl settings: {first_error(exc)}") from None
+    settings.reward_routing()  # import the reward functions now: a bad one fails here, named
     with _LOCK:
         return _SETTINGS.setdefault(key, settings)
 
@@ -126,7 +142,7 @@ def env_factory(settings: AgentSettings, row_env: Any = None) -> EnvFactory:
                 EnvConfig(name=row_env) if isinstance(row_env, str) else EnvConfig.model_validate(row_env)
             )
         except ValidationError as exc:
-            raise SettingsError(f"data row field {ENV_FIELD!r}: {_first_error(exc)}") from None
+            raise SettingsError(f"data row field {ENV_FIELD!r}: {first_error(exc)}") from None
     elif settings.env is not None:
         config = settings.env
     else:
@@ -135,12 +151,7 @@ def env_factory(settings: AgentSettings, row_env: Any = None) -> EnvFactory:
     with _LOCK:
         if key in _FACTORIES:
             return _FACTORIES[key]
-    entry = resolve_env(config.name)
-    factory: EnvFactory = entry.bind(config.kwargs)
-    if config.ray.enabled:
-        from turnrl.distributed import ray_env_factory
-
-        factory = ray_env_factory(entry.factory, config.kwargs, config.ray)
+    factory = build_env_factory(config)
     with _LOCK:
         return _FACTORIES.setdefault(key, factory)
 
@@ -163,12 +174,11 @@ def trainer_limits(
 ) -> Limits:
     """The trainer's length budget, tightened by what the turnrl config sets explicitly."""
     mine = settings.limits
-    explicit = mine.model_fields_set
     response = int(max_response_tokens)
-    if "max_response_tokens" in explicit and mine.max_response_tokens is not None:
+    if settings.given("limits", "max_response_tokens") and mine.max_response_tokens is not None:
         response = min(response, mine.max_response_tokens)
     context = int(max_context_tokens) if max_context_tokens is not None else NO_LIMIT
-    if "max_context_tokens" in explicit:
+    if settings.given("limits", "max_context_tokens"):
         context = min(context, mine.max_context_tokens)
     return Limits(
         max_turns=mine.max_turns,
@@ -181,7 +191,7 @@ def trainer_limits(
 
 def turn_max_tokens(settings: AgentSettings, response_budget: int) -> int:
     """Tokens one model turn may sample: the config's ``sampling.max_tokens`` if set, else the budget."""
-    if "max_tokens" in settings.sampling.model_fields_set:
+    if settings.given("sampling", "max_tokens"):
         return max(1, min(settings.sampling.max_tokens, response_budget))
     return max(1, response_budget)
 
@@ -204,23 +214,26 @@ def trainer_sample(prompt: Any, fields: Mapping[str, Any], default_id: str) -> S
     return sample
 
 
-async def tracked_reward(ctx: RewardContext) -> float:
-    """turnrl's final reward (routed function, else env score, else sum of step rewards), noting in
-    ``metrics[REWARD_SOURCE]`` where it came from; nothing is noted when the env gave nothing."""
-    traj = ctx.trajectory
-    fn = reward_fn_for(ctx.sample.data_source)
-    if fn is not None:
-        value = fn(ctx)
-        reward = float(await value) if inspect.isawaitable(value) else float(value)
-        traj.metrics[REWARD_SOURCE] = "reward_fn"
-        return reward
-    score = await ctx.env.score(traj)
-    if score is not None:
-        traj.metrics[REWARD_SOURCE] = "env_score"
-        return float(score)
-    if any(r != 0.0 for r in traj.turn_rewards):
-        traj.metrics[REWARD_SOURCE] = "step_rewards"
-    return float(sum(traj.turn_rewards))
+def tracked_reward(by_source: Mapping[str, RewardFn]) -> RewardFn:
+    """turnrl's final reward (``by_source``'s function, else env score, else sum of step rewards),
+    noting in ``metrics[REWARD_SOURCE]`` where it came from; nothing is noted when the env gave nothing."""
+
+    async def reward(ctx: RewardContext) -> float:
+        traj = ctx.trajectory
+        fn = by_source.get(ctx.sample.data_source)
+        if fn is not None:
+            value = fn(ctx)
+            traj.metrics[REWARD_SOURCE] = "reward_fn"
+            return float(await value) if inspect.isawaitable(value) else float(value)
+        score = await ctx.env.score(traj) if ctx.env is not None else None
+        if score is not None:
+            traj.metrics[REWARD_SOURCE] = "env_score"
+            return float(score)
+        if any(r != 0.0 for r in traj.turn_rewards):
+            traj.metrics[REWARD_SOURCE] = "step_rewards"
+        return float(sum(traj.turn_rewards))
+
+    return reward
 
 
 def computed_reward(traj: Trajectory) -> float | None:

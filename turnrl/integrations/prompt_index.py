@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from turnrl.types import Message, Sample
 
@@ -37,10 +37,10 @@ def prompt_key(prompt: Prompt) -> str:
 
 def tag_prompt(sample: Sample) -> list[Message]:
     """The sample's prompt messages with its id in the first message."""
-    messages = [dict(m) for m in sample.prompt]
+    messages: list[dict[str, Any]] = [dict(m) for m in sample.prompt]
     if messages:
         messages[0][ID_FIELD] = sample.id
-    return messages
+    return cast(list[Message], messages)
 
 
 def tagged_id(prompt: Prompt) -> str | None:

@@ -40,7 +40,6 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from turnrl.engines.base import Generation, SamplingParams
 from turnrl.engines.sglang import SGLangEngine
 from turnrl.integrations.agent_settings import (
     ENV_FIELD,
@@ -49,14 +48,13 @@ from turnrl.integrations.agent_settings import (
     env_factory,
     load_settings,
     plain,
-    tracked_reward,
     trainer_limits,
     trainer_sample,
     turn_max_tokens,
 )
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.types import Generation, SamplingParams, StopReason, Trajectory
 from turnrl.types import Sample as TurnrlSample
-from turnrl.types import StopReason, Trajectory
 
 # slime's sampling params that turnrl sets itself for every turn (the others pass through)
 OWNED = frozenset(
@@ -199,7 +197,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
             max_context_tokens=getattr(args, "rollout_max_context_len", None),
         ),
         check=settings.chat.check,
-        reward_fn=tracked_reward,
+        rewards=settings.reward_routing(),
     )
     traj = await run_trajectory(_turnrl_sample(sample), spec, int(sample.index or 0))
     if not traj.prompt_ids:

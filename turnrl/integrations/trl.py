@@ -36,17 +36,19 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from turnrl.app.parts import build_env_factory, load_samples
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import ChatConfig, DataConfig, EnvConfig, LimitsConfig, SamplingConfig
+from turnrl.config import ChatConfig, DataConfig, EnvConfig
 from turnrl.data import to_samples
-from turnrl.engines.base import Engine, SamplingParams
 from turnrl.env.base import EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.integrations.prompt_index import ID_FIELD, PromptIndex, tag_prompt
-from turnrl.rewards import RewardFn
+from turnrl.rewards import RewardFn, Rewards
 from turnrl.rollout.collector import JsonlWriter
-from turnrl.rollout.loop import Limits, RolloutSpec, failed_trajectory, run_trajectory
-from turnrl.types import Sample, StopReason, Trajectory
+from turnrl.rollout.episode import describe, failed_trajectory
+from turnrl.rollout.limits import Limits
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.types import Engine, Sample, SamplingParams, StopReason, Trajectory
 
 REWARD_KEY = "turnrl_reward"  # per completion: the trajectory's final reward (None: no model turn ran)
 SAMPLE_ID_KEY = "turnrl_sample_id"  # per completion: the sample (group) id the prompt was mapped to
@@ -215,7 +217,7 @@ class TRLRollout:
             sampling=sampling,
             limits=limits,
             check=self._chat.check,
-            reward_fn=self._reward_fn,
+            rewards=Rewards(default=self._reward_fn),
         )
         return self._spec
 
@@ -256,7 +258,9 @@ class TRLRollout:
                 try:
                     return await run_trajectory(sample, spec, index)
                 except Exception as exc:
-                    return failed_trajectory(sample, index, f"internal: {type(exc).__name__}: {exc}")
+                    return failed_trajectory(
+                        sample, index, f"internal: {describe(exc)}", StopReason.INTERNAL_ERROR
+                    )
 
         return list(await asyncio.gather(*(one(s, k) for s, k in jobs)))
 
@@ -295,20 +299,13 @@ def _env_source(env: EnvConfig | str | EnvFactory) -> tuple[EnvFactory, EnvEntry
         return env, EnvEntry(env)
     config = EnvConfig(name=env) if isinstance(env, str) else env
     entry = resolve_env(config.name)
-    if not config.ray.enabled:
-        return entry.bind(config.kwargs), entry
-    entry.bind(config.kwargs)  # check the kwargs before any worker starts
-    from turnrl.distributed import ray_env_factory
-
-    return ray_env_factory(entry.factory, config.kwargs, config.ray), entry
+    return build_env_factory(config, entry), entry
 
 
 def _samples(
     data: DataConfig | Sequence[Sample | Mapping[str, Any]] | None, entry: EnvEntry
 ) -> tuple[list[Sample], PromptIndex]:
     """The samples, indexed by their prompts (and by each row's own prompt, e.g. before a system prompt)."""
-    from turnrl.rollout.runner import load_samples
-
     raw: list[Any] = []  # each row's own prompt
     if data is None or isinstance(data, DataConfig):
         samples = load_samples(data or DataConfig(), entry)
@@ -333,8 +330,8 @@ def make_rollout_func(
     data: DataConfig | Sequence[Sample | Mapping[str, Any]] | None = None,
     *,
     chat: ChatConfig | None = None,
-    sampling: SamplingConfig | SamplingParams | None = None,
-    limits: LimitsConfig | Limits | None = None,
+    sampling: SamplingParams | None = None,
+    limits: Limits | None = None,
     concurrency: int = 32,
     seed: int | None = 0,
     engine: Engine | None = None,
@@ -355,10 +352,6 @@ def make_rollout_func(
     """
     factory, entry = _env_source(env)
     samples, index = _samples(data, entry)
-    if isinstance(sampling, SamplingConfig):
-        sampling = sampling.params()
-    if isinstance(limits, LimitsConfig):
-        limits = limits.limits()
     return TRLRollout(
         factory,
         samples,

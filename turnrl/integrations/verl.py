@@ -33,7 +33,6 @@ from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 
-from turnrl.engines.base import EngineError, Generation, SamplingParams
 from turnrl.engines.http import finish
 from turnrl.integrations.agent_settings import (
     ENV_FIELD,
@@ -43,13 +42,12 @@ from turnrl.integrations.agent_settings import (
     env_factory,
     load_settings,
     plain,
-    tracked_reward,
     trainer_limits,
     trainer_sample,
     turn_max_tokens,
 )
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
-from turnrl.types import Sample, Trajectory
+from turnrl.types import EngineError, Generation, Sample, SamplingParams, Trajectory
 
 NAME = "turnrl"  # the agent name rows give in their ``agent_name`` field
 _ABORTED = frozenset({"abort", "aborted"})
@@ -215,7 +213,7 @@ class TurnRLAgentLoop(AgentLoopBase):
                 max_context_tokens=self.prompt_length + self.response_length,
             ),
             check=settings.chat.check,
-            reward_fn=tracked_reward,
+            rewards=settings.reward_routing(),
         )
         traj = await run_trajectory(sample, spec)
         self.trajectory = traj

@@ -1,15 +1,22 @@
-"""The turn loop and the collector."""
+"""The turn loop, its episode state and record, the collector, and pause/resume control."""
 
+from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.collector import collect, iter_trajectories, read_trajectories
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+from turnrl.rollout.control import RolloutControl
+from turnrl.rollout.limits import Limits
+from turnrl.rollout.loop import RolloutSpec, TurnHook, run_trajectory
 from turnrl.rollout.metrics import summarize
 
 __all__ = [
     "Limits",
+    "RolloutControl",
     "RolloutSpec",
+    "TurnHook",
     "collect",
     "iter_trajectories",
     "read_trajectories",
     "run_trajectory",
     "summarize",
+    "trajectory_from_json",
+    "trajectory_to_json",
 ]

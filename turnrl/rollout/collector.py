@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from turnrl.rollout.control import as_abortable
-from turnrl.rollout.loop import RolloutSpec, failed_trajectory, run_trajectory
-from turnrl.types import Sample, Trajectory
+from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
+from turnrl.rollout.episode import describe, failed_trajectory
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.types import Sample, StopReason, Trajectory, as_abortable
 
 OnDone = Callable[[Trajectory], None]
 
@@ -23,22 +24,24 @@ Done = set[tuple[str, int]]
 async def iter_trajectories(
     samples: Sequence[Sample],
     spec: RolloutSpec,
-    n: int = 1,
+    *,
+    group_size: int = 1,
     concurrency: int = 32,
     skip: Done | None = None,
     target_groups: int | None = None,
 ) -> AsyncIterator[Trajectory]:
-    """Run ``n`` trajectories per sample as independent tasks; yield each as soon as it finishes.
+    """Run ``group_size`` trajectories per sample as independent tasks; yield each as soon as it finishes.
 
     Each trajectory is its own asyncio task (request level, not batch level): a slow one
     never holds back the others, and the engine batches whatever is in flight. Pairs in
     ``skip`` (already on disk) are not run again. With ``target_groups`` (over-sampling),
     once that many groups are complete the rest are stopped through ``spec.control``: they
-    come back promptly with stop reason ``aborted`` and the tokens they had.
+    come back promptly with stop reason ``aborted`` and the tokens they had. A data source with
+    a group reward (``spec.rewards.groups``) yields its groups whole, once rescored together.
     """
     if target_groups is not None and spec.control is None:
         raise ValueError("target_groups needs spec.control (a RolloutControl) to stop the slowest groups")
-    left = {s.id: n for s in samples}
+    left = {s.id: group_size for s in samples}
     complete = 0
     gate = asyncio.Semaphore(concurrency)
     skip = skip or set()
@@ -48,9 +51,13 @@ async def iter_trajectories(
             try:
                 return await run_trajectory(sample, spec, index)
             except Exception as exc:  # a bug in one trajectory never takes the others down
-                return failed_trajectory(sample, index, f"internal: {type(exc).__name__}: {exc}")
+                return failed_trajectory(
+                    sample, index, f"internal: {describe(exc)}", StopReason.INTERNAL_ERROR
+                )
 
-    pairs = [(s, k) for s in samples for k in range(n) if (s.id, k) not in skip]
+    pairs = [(s, k) for s in samples for k in range(group_size) if (s.id, k) not in skip]
+    by_id = {s.id: s for s in samples}
+    held: dict[str, list[Trajectory]] = {}  # groups waiting for their group reward
     tasks = [asyncio.create_task(one(s, k)) for s, k in pairs]
     try:
         for next_done in asyncio.as_completed(tasks):
@@ -60,7 +67,15 @@ async def iter_trajectories(
             control = spec.control
             if target_groups is not None and complete >= target_groups and control and not control.stopped:
                 await control.stop(as_abortable(spec.engine))
-            yield traj
+            if spec.rewards.group_fn_for(traj.data_source) is None:
+                yield traj
+                continue
+            group = held.setdefault(traj.group_id, [])
+            group.append(traj)
+            if left[traj.group_id] == 0:
+                await spec.rewards.score_group(by_id[traj.group_id], held.pop(traj.group_id))
+                for member in sorted(group, key=lambda t: t.sample_index):
+                    yield member
     finally:
         for task in tasks:
             task.cancel()
@@ -77,7 +92,7 @@ class JsonlWriter:
 
     def write(self, traj: Trajectory) -> None:
         """Append one trajectory, on disk when this returns."""
-        self.write_record(traj.to_dict())
+        self.write_record(trajectory_to_json(traj))
 
     def write_record(self, record: dict[str, Any]) -> None:
         """Append one JSON record as a single write."""
@@ -99,7 +114,8 @@ class JsonlWriter:
 async def collect(
     samples: Sequence[Sample],
     spec: RolloutSpec,
-    n: int = 1,
+    *,
+    group_size: int = 1,
     concurrency: int = 32,
     out_path: Path | None = None,
     on_done: OnDone | None = None,
@@ -113,7 +129,15 @@ async def collect(
     writer = JsonlWriter(out_path) if out_path else None
     done: list[Trajectory] = []
     try:
-        async for traj in iter_trajectories(samples, spec, n, concurrency, skip, target_groups):
+        trajs = iter_trajectories(
+            samples,
+            spec,
+            group_size=group_size,
+            concurrency=concurrency,
+            skip=skip,
+            target_groups=target_groups,
+        )
+        async for traj in trajs:
             if writer:
                 writer.write(traj)
             done.append(traj)
@@ -128,7 +152,7 @@ async def collect(
 def read_trajectories(path: Path) -> list[Trajectory]:
     """Load a trajectories.jsonl file."""
     with path.open(encoding="utf-8") as f:
-        return [Trajectory.from_dict(json.loads(line)) for line in f if line.strip()]
+        return [trajectory_from_json(json.loads(line)) for line in f if line.strip()]
 
 
 def recover(path: Path) -> tuple[list[Trajectory], int]:
@@ -148,7 +172,7 @@ def recover(path: Path) -> tuple[list[Trajectory], int]:
     clean: list[str] = []
     for line in lines:
         try:
-            traj = Trajectory.from_dict(json.loads(line))
+            traj = trajectory_from_json(json.loads(line))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             dropped += 1
             continue

@@ -3,22 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
 
-
-class Abortable(Protocol):
-    """An engine that can end every generation in flight, keeping what each has sampled."""
-
-    async def abort_all(self) -> None:
-        """End every running request with finish_reason "abort"."""
-        ...
-
-
-def as_abortable(engine: object) -> Abortable:
-    """The engine, if it can abort everything in flight; a clear error otherwise."""
-    if not callable(getattr(engine, "abort_all", None)):
-        raise TypeError(f"{type(engine).__name__} cannot abort generations in flight (no abort_all)")
-    return engine  # type: ignore[return-value]
+from turnrl.types import Abortable
 
 
 class RolloutControl:

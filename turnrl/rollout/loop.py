@@ -8,29 +8,29 @@ import dataclasses
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 from turnrl.chat.check import CheckMode
 from turnrl.chat.encoder import ChatEncoder, ConversationEncoder
-from turnrl.engines.base import Engine, Generation, SamplingParams
-from turnrl.env.base import Env, EnvFactory, StepResult
-from turnrl.rewards import RewardContext, RewardFn, compute_reward
+from turnrl.env.base import Env, EnvFactory
+from turnrl.rewards import RewardContext, Rewards
 from turnrl.rollout.control import RolloutControl
+from turnrl.rollout.episode import Episode, describe
+from turnrl.rollout.limits import Limits
 from turnrl.rollout.record import ResponseRecord
-from turnrl.types import Message, Sample, StopReason, Trajectory, Turn
+from turnrl.types import (
+    Engine,
+    Generation,
+    Message,
+    Sample,
+    SamplingParams,
+    StepResult,
+    StopReason,
+    Trajectory,
+    Turn,
+)
 from turnrl.vision.processor import ImageInput
-
-
-@dataclass(frozen=True)
-class Limits:
-    """When a trajectory must stop, and how hard to try with a failing env."""
-
-    max_turns: int = 8  # model turns
-    max_context_tokens: int = 4096  # prompt + response never exceed this
-    max_response_tokens: int | None = None  # model + env tokens after the prompt
-    max_env_retries_per_turn: int = 2  # failed env steps retried before env_error
-    env_timeout_s: float | None = 60.0  # one env step (or reset) longer than this is a failure
 
 
 @dataclass
@@ -43,7 +43,7 @@ class RolloutSpec:
     sampling: SamplingParams  # per-turn sampling
     limits: Limits  # stop conditions
     check: CheckMode = "strict"  # sanity check of the final sequence
-    reward_fn: RewardFn | None = None  # overrides routing by data_source
+    rewards: Rewards = field(default_factory=Rewards)  # reward functions by data source
     on_turn: TurnHook | None = None  # called after every turn is appended (per-turn logging)
     control: RolloutControl | None = None  # pause/resume/stop for partial rollout
     mask_offpolicy: bool = False  # mask (0) model tokens sampled by an older policy than the newest
@@ -105,155 +105,153 @@ def _assistant_message(text: str, result: StepResult | None) -> Message:
     return message
 
 
+def env_seed(base: int | None, sample: Sample, index: int) -> int | None:
+    """The env's seed for one trajectory: the row's own, else derived from the run's seed, the
+    sample and the index in the group (distinct per trajectory, the same on every rerun)."""
+    if sample.seed is not None or base is None:
+        return sample.seed
+    return zlib.crc32(f"{base}/{sample.id}/{index}/env".encode())
+
+
 async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 0) -> Trajectory:
-    """Run one episode of ``sample`` and return its exact token record. Never raises for env
-    or engine failures: they end the trajectory with a stop reason."""
+    """Run one episode of ``sample`` and return its exact token record. Never raises: env and
+    engine failures, and bugs, end the trajectory with a stop reason and the error."""
+    sample = dataclasses.replace(sample, seed=env_seed(spec.sampling.seed, sample, sample_index))
+    ep = Episode(sample, sample_index)
     try:
         env = spec.env_factory(sample)
     except Exception as exc:  # a trajectory that cannot start still comes back, with its reason
-        return failed_trajectory(sample, sample_index, f"env: {type(exc).__name__}: {exc}")
-    failures: dict[str, int] = {}
-    metrics: dict[str, Any] = {
-        "env_retries": 0,
-        "env_failures": failures,
-        "time/generate": 0.0,
-        "time/env": 0.0,
-        "time/encode": 0.0,
-    }
-    record = ResponseRecord()
-    turn_rewards: list[float] = []
-    error: str | None = None
-    info: dict[str, Any] = {}
+        return ep.fail(StopReason.ENV_ERROR, f"env: {describe(exc)}")
     try:
-        # 1. Reset the env: it gives the prompt messages (and the tools, via env.tools).
-        try:
-            prompt, retries = await _call_env(env.reset, spec.limits, failures)
-            metrics["env_retries"] += retries
-        except EnvFailure as exc:
-            prompt, error, stop = list(sample.prompt), f"reset: {exc}", StopReason.ENV_ERROR
-        # 2. Encode the prompt once; from here on, tokens are only appended.
-        try:
-            conv = spec.encoder.conversation(env.tools)
-            encoded_prompt = conv.prompt(prompt)
-        except Exception as exc:  # e.g. the chat template rejects the prompt or the tools
-            return failed_trajectory(sample, sample_index, f"prompt: {type(exc).__name__}: {exc}")
-        prompt_ids = encoded_prompt.ids
-        record.start(encoded_prompt)
-        last_token_text: str | None = None
-        while error is None:
-            # 3. Generate within the budget; keep the sampled tokens exactly.
-            budget = _budget(record, spec.limits)
-            if budget <= 0:
-                stop = StopReason.TOKEN_BUDGET
-                break
-            max_tokens = min(spec.sampling.max_tokens, budget)
-            t0 = time.perf_counter()
-            try:
-                gen = await _generate(spec, record, sample, sample_index, max_tokens)
-            except Exception as exc:
-                error, stop = f"engine: {type(exc).__name__}: {exc}", StopReason.ENGINE_ERROR
-                break
-            gen_s = time.perf_counter() - t0
-            metrics["time/generate"] += gen_s
-            text, last_token_text = conv.assistant_text(gen.token_ids)
-            turn = record.add_model(gen, text, gen_s, _versions(gen, spec.control))
-            if gen.finish_reason == "abort":
-                record.messages.append(_assistant_message(text, None))
-                stop = StopReason.ABORTED
-                break
-            if gen.finish_reason == "length":
-                record.messages.append(_assistant_message(text, None))
-                stop = StopReason.TOKEN_BUDGET if max_tokens < spec.sampling.max_tokens else StopReason.LENGTH
-                break
-            # 4. Let the env act on the model's text (tools run here), retrying failures.
-            t0 = time.perf_counter()
-            try:
-                result, retries = await _call_env(lambda t=text: env.step(t), spec.limits, failures)
-            except EnvFailure as exc:
-                record.messages.append(_assistant_message(text, None))
-                metrics["env_retries"] += exc.attempts - 1
-                error, stop = f"step: {exc}", StopReason.ENV_ERROR
-                break
-            env_s = time.perf_counter() - t0
-            metrics["time/env"] += env_s
-            metrics["env_retries"] += retries
-            turn.timings["env"] = env_s
-            turn.reward, turn.env_retries = float(result.reward), retries
-            turn_rewards.append(float(result.reward))
-            _merge_info(info, result.info)
-            record.messages.append(_assistant_message(text, result))
-            _notify(spec, sample, sample_index, record)
-            # 5. Stop when the env is done or the model has used its turns.
-            if result.done:
-                stop = result.stop_reason or StopReason.ENV_DONE
-                break
-            if record.num_model_turns >= spec.limits.max_turns:
-                stop = StopReason.MAX_TURNS
-                break
-            # 6. Append the observation as delta tokens (mask 0) with its images, unless it would
-            #    overflow: then nothing of it (tokens, images) is appended.
-            t0 = time.perf_counter()
-            try:
-                obs = conv.observation(env.format_observation(result.observation), last_token_text)
-            except Exception as exc:  # a bad observation ends this trajectory, not the run
-                error, stop = f"observation: {type(exc).__name__}: {exc}", StopReason.ENV_ERROR
-                break
-            encode_s = time.perf_counter() - t0
-            metrics["time/encode"] += encode_s
-            if _budget(record, spec.limits) - len(obs.ids) <= 0:
-                stop = StopReason.TOKEN_BUDGET
-                break
-            record.add_env(obs, conv.template.decode(obs.ids), encode_s, retries)
-            _notify(spec, sample, sample_index, record)
-            last_token_text = None
-        # 7. Finalize: trajectory, reward (env still alive), sanity check, metrics.
-        _notify(spec, sample, sample_index, record)
-        traj = Trajectory(
-            id=f"{sample.id}/{sample_index}",
-            group_id=sample.id,
-            data_source=sample.data_source,
-            prompt_ids=prompt_ids,
-            response_ids=record.response_ids,
-            loss_mask=record.loss_mask,
-            rollout_logprobs=record.rollout_logprobs,
-            turns=record.turns,
-            messages=record.messages,
-            turn_rewards=turn_rewards,
-            stop_reason=stop,
-            num_turns=record.num_model_turns,
-            metrics=metrics,
-            sample_index=sample_index,
-            error=error,
-            info=info,
-            policy_versions=record.policy_versions,
-            images=[image.image for image in record.images],
-            multimodal_inputs=record.multimodal.merge(),
-        )
-        traj.reward = await _safe_reward(sample, traj, env, spec)
-        _finish_metrics(traj, conv, last_token_text, spec.check, record.images)
-        if spec.mask_offpolicy:
-            _mask_offpolicy(traj, record.policy_versions)
-        return traj
+        return await _episode(ep, env, spec)
+    except Exception as exc:  # a bug in turnrl or in a hook ends this trajectory only
+        return ep.fail(StopReason.INTERNAL_ERROR, f"internal: {describe(exc)}")
     finally:
         await _close(env)
 
 
-def failed_trajectory(sample: Sample, index: int, error: str) -> Trajectory:
-    """The record of a trajectory that failed before its first turn (no env, no prompt)."""
-    return Trajectory(
-        id=f"{sample.id}/{index}",
-        group_id=sample.id,
-        data_source=sample.data_source,
-        prompt_ids=[],
-        response_ids=[],
-        loss_mask=[],
-        rollout_logprobs=[],
-        turns=[],
-        messages=list(sample.prompt),
-        stop_reason=StopReason.ENV_ERROR,
-        sample_index=index,
-        error=error,
-    )
+async def _episode(ep: Episode, env: Env, spec: RolloutSpec) -> Trajectory:
+    """The turns of one episode, top to bottom."""
+    # 1. Reset the env: it gives the prompt messages (and the tools, via env.tools).
+    prompt = await _reset(ep, env, spec)
+    # 2. Encode the prompt once; from here on, tokens are only appended.
+    try:
+        conv = spec.encoder.conversation(env.tools)
+        encoded = conv.prompt(prompt)
+    except Exception as exc:  # e.g. the chat template rejects the prompt or the tools
+        return ep.fail(StopReason.ENV_ERROR, f"prompt: {describe(exc)}")
+    ep.prompt_ids = encoded.ids
+    ep.record.start(encoded)
+    while ep.running:
+        # 3. Generate within the budget; keep the sampled tokens exactly.
+        turn = await _model_turn(ep, spec, conv)
+        if turn is None:
+            break
+        # 4. Let the env act on the model's text (tools run here), retrying failures.
+        result = await _env_step(ep, env, spec, turn)
+        if result is None:
+            break
+        # 5. Stop when the env is done or the model has used its turns.
+        if result.done:
+            ep.end(result.stop_reason or StopReason.ENV_DONE)
+        elif ep.record.num_model_turns >= spec.limits.max_turns:
+            ep.end(StopReason.MAX_TURNS)
+        else:
+            # 6. Append the observation as delta tokens (mask 0) with its images, unless it
+            #    would overflow: then nothing of it is appended and the budget ends the episode.
+            _observe(ep, env, spec, conv, result, turn.env_retries)
+    # 7. Finalize: trajectory, reward (env still alive), sanity check, metrics.
+    return await _finish(ep, env, conv, spec)
+
+
+async def _reset(ep: Episode, env: Env, spec: RolloutSpec) -> list[Message]:
+    """The env's prompt; on failure the sample's, with the episode ended as env_error."""
+    try:
+        prompt, retries = await _call_env(env.reset, spec.limits, ep.failures)
+    except EnvFailure as exc:
+        ep.end(StopReason.ENV_ERROR, f"reset: {exc}")
+        return list(ep.sample.prompt)
+    ep.env_retries += retries
+    return list(prompt)
+
+
+async def _model_turn(ep: Episode, spec: RolloutSpec, conv: ConversationEncoder) -> Turn | None:
+    """One generation appended to the record; None when it ends the episode."""
+    budget = _budget(ep.record, spec.limits)
+    if budget <= 0:
+        ep.end(StopReason.TOKEN_BUDGET)
+        return None
+    max_tokens = min(spec.sampling.max_tokens, budget)
+    t0 = time.perf_counter()
+    try:
+        gen = await _generate(spec, ep.record, ep.sample, ep.index, max_tokens)
+    except Exception as exc:
+        ep.end(StopReason.ENGINE_ERROR, f"engine: {describe(exc)}")
+        return None
+    seconds = ep.clock("time/generate", t0)
+    text, ep.last_token_text = conv.assistant_text(gen.token_ids)
+    turn = ep.record.add_model(gen, text, seconds, _versions(gen, spec.control))
+    if gen.finish_reason == "stop":
+        return turn
+    ep.record.messages.append(_assistant_message(text, None))
+    if gen.finish_reason == "abort":
+        ep.end(StopReason.ABORTED)
+    else:
+        ep.end(StopReason.TOKEN_BUDGET if max_tokens < spec.sampling.max_tokens else StopReason.LENGTH)
+    return None
+
+
+async def _env_step(ep: Episode, env: Env, spec: RolloutSpec, turn: Turn) -> StepResult | None:
+    """The env's answer to a model turn, recorded on the turn; None when the env failed for good."""
+    t0 = time.perf_counter()
+    try:
+        result, retries = await _call_env(lambda: env.step(turn.text), spec.limits, ep.failures)
+    except EnvFailure as exc:
+        ep.record.messages.append(_assistant_message(turn.text, None))
+        ep.env_retries += exc.attempts - 1
+        ep.end(StopReason.ENV_ERROR, f"step: {exc}")
+        return None
+    turn.timings["env"] = ep.clock("time/env", t0)
+    ep.env_retries += retries
+    turn.reward, turn.env_retries = float(result.reward), retries
+    ep.turn_rewards.append(float(result.reward))
+    ep.merge_info(result.info)
+    ep.record.messages.append(_assistant_message(turn.text, result))
+    _notify(spec, ep)
+    return result
+
+
+def _observe(
+    ep: Episode, env: Env, spec: RolloutSpec, conv: ConversationEncoder, result: StepResult, retries: int
+) -> None:
+    """Append the observation's delta tokens, or end the episode (bad observation, no budget)."""
+    t0 = time.perf_counter()
+    try:
+        obs = conv.observation(env.format_observation(result.observation), ep.last_token_text)
+    except Exception as exc:  # a bad observation ends this trajectory, not the run
+        ep.end(StopReason.ENV_ERROR, f"observation: {describe(exc)}")
+        return
+    seconds = ep.clock("time/encode", t0)
+    if _budget(ep.record, spec.limits) - len(obs.ids) <= 0:
+        ep.end(StopReason.TOKEN_BUDGET)
+        return
+    ep.record.add_env(obs, conv.template.decode(obs.ids), seconds, retries)
+    _notify(spec, ep)
+    ep.last_token_text = None
+
+
+async def _finish(ep: Episode, env: Env, conv: ConversationEncoder, spec: RolloutSpec) -> Trajectory:
+    """The trajectory with its reward (scored while the env is alive), sanity check and metrics."""
+    _notify(spec, ep)
+    traj = ep.trajectory()
+    try:
+        traj.reward = await spec.rewards.score(RewardContext(ep.sample, traj, env))
+    except Exception as exc:
+        traj.metrics["reward_error"] = describe(exc)
+    _finish_metrics(traj, conv, ep.last_token_text, spec.check, ep.record.images)
+    if spec.mask_offpolicy:
+        _mask_offpolicy(traj, ep.record.policy_versions)
+    return traj
 
 
 async def _generate(
@@ -266,7 +264,7 @@ async def _generate(
     if control is not None and control.stopped:
         return Generation([], [], "abort")
     seed = request_seed(spec.sampling.seed, sample, index, record.num_model_turns)
-    sampling = dataclasses.replace(spec.sampling, max_tokens=max_tokens, seed=seed)
+    sampling = spec.sampling.for_request(max_tokens, seed)
     session = f"{sample.id}/{index}"
     gen = await spec.engine.generate(record.sequence, sampling, record.images, session=session)
     while gen.finish_reason == "abort" and control is not None and not control.stopped and control.paused:
@@ -274,7 +272,7 @@ async def _generate(
         left = max_tokens - len(gen.token_ids)
         if control.stopped or left <= 0:
             break
-        resumed = dataclasses.replace(sampling, max_tokens=left, seed=None if seed is None else seed + 1)
+        resumed = sampling.for_request(left, None if seed is None else seed + 1)
         more = await spec.engine.generate(
             record.sequence + gen.token_ids, resumed, record.images, session=session
         )
@@ -310,27 +308,13 @@ def _mask_offpolicy(traj: Trajectory, versions: list[int]) -> None:
     traj.metrics["tokens/offpolicy_masked"] = masked
 
 
-def _notify(spec: RolloutSpec, sample: Sample, index: int, record: ResponseRecord) -> None:
+def _notify(spec: RolloutSpec, ep: Episode) -> None:
     """Report the turns completed since the last call (a model turn once its env step is done)."""
+    record = ep.record
     while record.reported < len(record.turns):
         if spec.on_turn is not None:
-            spec.on_turn(sample, index, record.reported, record.turns[record.reported])
+            spec.on_turn(ep.sample, ep.index, record.reported, record.turns[record.reported])
         record.reported += 1
-
-
-def _merge_info(info: dict[str, Any], step_info: dict[str, Any]) -> None:
-    """Accumulate numeric step info (tool calls, errors) into trajectory info."""
-    for key, value in step_info.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            info[key] = info.get(key, 0) + value
-
-
-async def _safe_reward(sample: Sample, traj: Trajectory, env: Env, spec: RolloutSpec) -> float:
-    try:
-        return await compute_reward(RewardContext(sample, traj, env), spec.reward_fn)
-    except Exception as exc:
-        traj.metrics["reward_error"] = f"{type(exc).__name__}: {exc}"
-        return 0.0
 
 
 async def _close(env: Env) -> None:
@@ -340,7 +324,7 @@ async def _close(env: Env) -> None:
 
 def _check_messages(messages: list[Message]) -> list[Message]:
     """Messages as the template should see them: assistant text holds its tool calls verbatim."""
-    return [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    return [cast(Message, {k: v for k, v in m.items() if k != "tool_calls"}) for m in messages]
 
 
 def _finish_metrics(

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from turnrl.chat.encoder import Encoded
-from turnrl.engines.base import Generation
-from turnrl.types import Message, Turn
+from turnrl.types import Generation, Message, Turn
 from turnrl.vision.buffer import MultimodalBuffer
 from turnrl.vision.processor import ImageInput
 

@@ -2,7 +2,7 @@
 
 Every estimator returns ``advantages[i][k]``: the advantage of model turn ``k`` of trajectory
 ``i``, given to every sampled token of that turn. Trajectories are compared within their group
-(same ``group_id``: the same prompt, ``rollout.n`` samples of it).
+(same ``group_id``: the same prompt, ``rollout.group_size`` samples of it).
 
 - ``grpo``: ``A_i = (R_i - mean_g R) / (std_g R + eps)``, the same for every turn of ``i``
   (without std normalization, Dr. GRPO: ``A_i = R_i - mean_g R``). ``std`` is the sample

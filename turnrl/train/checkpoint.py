@@ -19,10 +19,24 @@ from typing import Any
 import torch
 import yaml
 
+from turnrl.config import dump_config
 from turnrl.train.config import TrainConfig
 
 CHECKPOINTS = "checkpoints"
-RESUME_KEYS = ("model", "env", "data", "chat", "sampling", "limits", "rewards", "algorithm", "optim")
+RESUME_KEYS = (
+    "model",
+    "env",
+    "data",
+    "chat",
+    "sampling",
+    "limits",
+    "rewards",
+    "group_rewards",
+    "seed",
+    "rollout",
+    "algorithm",
+    "optim",
+)
 
 
 @dataclass
@@ -98,36 +112,41 @@ def check_resumable(config: TrainConfig, out_dir: Path) -> None:
     if not saved_path.exists():
         raise ValueError(f"cannot resume: {saved_path} is missing")
     saved = yaml.safe_load(saved_path.read_text()) or {}
-    current = config.model_dump(mode="json")
+    current = dump_config(config)
     for key in RESUME_KEYS:
         if saved.get(key) != current.get(key):
             raise ValueError(f"cannot resume: config key {key!r} differs from the run in {out_dir}")
-    if saved.get("train", {}).get("seed") != config.train.seed:
-        raise ValueError(f"cannot resume: config key 'train.seed' differs from the run in {out_dir}")
 
 
 OUTPUTS = ("config.yaml", "metrics.jsonl", "rewards.png", CHECKPOINTS, "eval", "rollouts", "tensorboard")
 
 
-def start_output(config: TrainConfig, overwrite: bool, resume: bool) -> Resumed | None:
-    """Check and prepare the output folder; the checkpoint to resume from, if any.
-
-    ``--overwrite`` removes only what a training run writes (``OUTPUTS``), never the folder.
-    """
+def plan_output(config: TrainConfig, overwrite: bool, resume: bool) -> Resumed | None:
+    """Check the output folder (writing nothing); the checkpoint to resume from, if any."""
     out = Path(config.output_dir)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
     if resume and (out / "config.yaml").exists():
         check_resumable(config, out)
         return latest(out)
-    if not resume and any((out / name).exists() for name in OUTPUTS):
-        if not overwrite:
-            raise ValueError(
-                f"{out} already holds a training run (pass --resume, --overwrite or set output_dir)"
-            )
+    if not resume and not overwrite and holds_run(out):
+        raise ValueError(f"{out} already holds a training run (pass --resume, --overwrite or set output_dir)")
+    return None
+
+
+def holds_run(out: Path) -> bool:
+    """Whether ``out`` holds what a training run writes."""
+    return any((out / name).exists() for name in OUTPUTS)
+
+
+def start_output(config: TrainConfig, resumed: Resumed | None) -> None:
+    """Prepare the output folder once the run is known to start: a new run removes only what a
+    training run writes (``OUTPUTS``), never the folder, and saves its config."""
+    out = Path(config.output_dir)
+    if resumed is None:
         for name in OUTPUTS:
             target = out / name
             shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    return None
+    if resumed is None or not (out / "config.yaml").exists():
+        (out / "config.yaml").write_text(yaml.safe_dump(dump_config(config), sort_keys=False))

@@ -1,4 +1,4 @@
-"""Typed ``turnrl train`` configuration: the rollout sections of ``turnrl.config`` plus the learning ones."""
+"""Typed ``turnrl train`` configuration: the run sections of ``turnrl.config`` plus the learning ones."""
 
 from __future__ import annotations
 
@@ -7,16 +7,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from turnrl.config import (
-    ChatConfig,
-    DataConfig,
-    EngineConfig,
-    EnvConfig,
-    LimitsConfig,
-    SamplingConfig,
-    _Strict,
-    load_model_config,
-)
+from turnrl.config import DataConfig, HFEngineConfig, RolloutConfig, RunSections, load_model_config
+from turnrl.config import Strict as _Strict
 from turnrl.train.advantages import ESTIMATORS, AdvantageOptions
 from turnrl.train.loss import POLICY_LOSSES, LossOptions
 
@@ -105,13 +97,10 @@ class TrainLoopConfig(_Strict):
 
     steps: int = Field(10, ge=1)  # training steps (one rollout batch each)
     prompts_per_step: int = Field(8, ge=1)  # groups per step
-    group_size: int = Field(4, ge=1)  # trajectories per prompt
-    concurrency: int = Field(32, ge=1)  # trajectories in flight
     ppo_epochs: int = Field(1, ge=1)  # passes over each batch
     mini_batches: int = Field(1, ge=1)  # optimizer steps per pass (at most one per micro-batch)
     micro_batch_tokens: int = Field(4096, ge=1)  # padded tokens per forward/backward
     logprob_chunk: int = Field(256, ge=1)  # positions projected through lm_head at a time
-    seed: int = 0  # model init order, prompt order and sampling seeds
     save_every: int = Field(10, ge=0)  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = Field(2, ge=1)
     save_rollouts: bool = False  # write every step's trajectories to rollouts/step_K.jsonl
@@ -124,9 +113,8 @@ class EvalConfig(_Strict):
 
     data: DataConfig | None = None  # None: no evaluation
     every: int = Field(5, ge=0)  # 0: only at the start and the end
-    n: int = Field(1, ge=1)  # trajectories per prompt
-    temperature: float = Field(0.0, ge=0)  # 0: greedy
-    seed: int = 1234
+    group_size: int = Field(1, ge=1)  # trajectories per prompt
+    temperature: float = Field(0.0, ge=0)  # 0: greedy (the same seeds at every evaluation)
 
 
 class WarmStartConfig(_Strict):
@@ -139,23 +127,40 @@ class WarmStartConfig(_Strict):
     lr: float = Field(1e-5, gt=0)
 
 
-class TrainConfig(_Strict):
-    """A whole ``turnrl train`` run."""
+class TrainConfig(RunSections):
+    """A whole ``turnrl train`` run: the shared run sections, then what is learned and how."""
 
-    model: str  # HF id, local folder, or a shipped name: tiny-qwen3, smollm2-135m
-    env: EnvConfig
-    data: DataConfig = Field(default_factory=DataConfig)  # training prompts
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    chat: ChatConfig = Field(default_factory=ChatConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    rewards: dict[str, str] = Field(default_factory=dict)  # data_source -> "module:function"
+    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig(group_size=4))
+    """Group size (trajectories per prompt, at least 2 for GRPO) and concurrency."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantages, samples, loss."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    """The optimizer."""
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    """Steps, batch sizes, checkpoints, tracking."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation."""
     warm_start: WarmStartConfig | None = None
+    """A supervised warm start before RL (None: none)."""
     output_dir: str = "runs/train"
+    """Where metrics.jsonl, checkpoints and rollouts go."""
+
+    @model_validator(mode="after")
+    def _trainable_setup(self) -> TrainConfig:
+        if not isinstance(self.engine, HFEngineConfig):
+            raise ValueError(
+                f"turnrl train generates with the embedded engine: engine.kind {self.engine.kind!r} "
+                "is not supported yet (use kind: hf)"
+            )
+        if self.engine.ray.enabled or self.env.ray.enabled:
+            raise ValueError(
+                "turnrl train runs in one process: set engine.ray.enabled and env.ray.enabled false"
+            )
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                "rollout.group_size must be at least 2: advantages compare a prompt's trajectories"
+            )
+        return self
 
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:

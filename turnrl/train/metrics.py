@@ -205,3 +205,13 @@ def plot_rewards(records: Sequence[dict[str, Any]], path: Path) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return f"wrote {path}"
+
+
+def held_out_summary(records: Sequence[dict[str, Any]]) -> str:
+    """One line: the held-out reward before training (and before the warm start) and at each
+    evaluation after it, e.g. ``held-out reward: 0.000 (base) -> 0.438 (step 0) -> 0.844 (step 16)``."""
+    points = [f"{r['base/eval/reward/mean']:.3f} (base)" for r in records[:1] if "base/eval/reward/mean" in r]
+    points += [f"{r['eval/reward/mean']:.3f} (step {r['step']})" for r in records if "eval/reward/mean" in r]
+    if not points:
+        return "no held-out evaluation (set eval.data)"
+    return "held-out reward: " + " -> ".join(points)

@@ -41,6 +41,10 @@ class TrainProgress:
         """One more trajectory of the current phase has finished."""
         self._progress.advance(self._trajectories)
 
+    def advance(self) -> None:
+        """One more unit of the current phase (an optimizer step of the warm start) is done."""
+        self._progress.advance(self._trajectories)
+
     def step_done(self, step: int) -> None:
         """Training step ``step`` is done."""
         self._progress.update(self._steps, completed=step)

@@ -18,27 +18,35 @@ from typing import Any
 
 import torch
 
+from turnrl.app.parts import load_samples
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.registry import resolve_env
 from turnrl.imports import import_object
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
-from turnrl.rollout.runner import load_samples
 from turnrl.train.batch import build_samples, collate, micro_batches
 from turnrl.train.config import TrainConfig
 from turnrl.train.logprobs import token_logprobs
+from turnrl.train.progress import TrainProgress
 from turnrl.types import Sample, Trajectory
 
 Demos = Callable[[Sample], Sequence[str]]
 """The assistant texts of one demonstrated episode of a sample."""
 
 
-async def replay(samples: Sequence[Sample], demos: Demos, spec: RolloutSpec) -> list[Trajectory]:
+async def replay(
+    samples: Sequence[Sample],
+    demos: Demos,
+    spec: RolloutSpec,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
     """Each sample's demonstration played through the env, under the rollout's limits."""
     tokenizer: Any = spec.encoder.template.tokenizer
     out = []
     for sample in samples:
         engine = ScriptedEngine(tokenizer, list(demos(sample)), logprob=0.0)
         out.append(await run_trajectory(sample, dataclasses.replace(spec, engine=engine)))
+        if on_done is not None:
+            on_done(out[-1])
     return out
 
 
@@ -57,6 +65,7 @@ def sft_epochs(
     micro_batch_tokens: int,
     chunk_size: int,
     seed: int,
+    on_step: Callable[[], None] | None = None,
 ) -> list[float]:
     """AdamW on the token-mean negative log-likelihood of the model tokens; the loss of each step."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -89,22 +98,31 @@ def sft_epochs(
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             losses.append(total)
+            if on_step is not None:
+                on_step()
     return losses
 
 
-async def warm_start(model: Any, spec: RolloutSpec, config: TrainConfig) -> dict[str, float]:
+async def warm_start(
+    model: Any, spec: RolloutSpec, config: TrainConfig, progress: TrainProgress | None = None
+) -> dict[str, float]:
     """Replay ``config.warm_start``'s demonstrations through the env, then train ``model`` on them."""
     cfg = config.warm_start
     assert cfg is not None
     t0 = time.perf_counter()
     samples = load_samples(cfg.data, resolve_env(config.env.name))
-    played = await replay(samples, import_object(cfg.demos, "warm_start.demos"), spec)
+    if progress is not None:
+        progress.phase("warm start: replay", len(samples))
+    done = progress.trajectory_done if progress is not None else None
+    played = await replay(samples, import_object(cfg.demos, "warm_start.demos"), spec, done)
     trajs = [traj for traj in played if traj.reward > 0]
     if not trajs:
         stops = Counter(t.stop_reason.value for t in played)
         raise ValueError(
             f"warm start: the env rewarded none of the {len(played)} demonstrations (stops: {dict(stops)})"
         )
+    if progress is not None:
+        progress.phase("warm start: SFT", cfg.epochs * -(-len(trajs) // cfg.batch_size))
     losses = sft_epochs(
         model,
         trajs,
@@ -113,7 +131,8 @@ async def warm_start(model: Any, spec: RolloutSpec, config: TrainConfig) -> dict
         lr=cfg.lr,
         micro_batch_tokens=config.train.micro_batch_tokens,
         chunk_size=config.train.logprob_chunk,
-        seed=config.train.seed,
+        seed=config.seed,
+        on_step=progress.advance if progress is not None else None,
     )
     return {
         "warm_start/demos": len(trajs),

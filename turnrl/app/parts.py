@@ -1,0 +1,71 @@
+"""Configs into the parts of a rollout: samples, env factories, reward routing, the rollout spec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.config import DataConfig, EnvConfig, RunSections
+from turnrl.data import read_rows, to_samples
+from turnrl.env.base import EnvFactory
+from turnrl.env.registry import EnvEntry, resolve_env
+from turnrl.imports import import_object
+from turnrl.models import load_vision_processor
+from turnrl.rewards import Rewards
+from turnrl.rollout.loop import RolloutSpec
+from turnrl.types import Engine, Sample
+
+
+class RunError(ValueError):
+    """A run that cannot start; the message says why."""
+
+
+def load_samples(data: DataConfig, entry: EnvEntry) -> list[Sample]:
+    """Samples from a file, a generator, or the env's own data."""
+    if data.path:
+        return to_samples(read_rows(data.path), data.path, data.limit)
+    if data.generator:
+        rows = import_object(data.generator, "data generator")(**data.kwargs)
+        return to_samples(rows, data.generator, data.limit)
+    if entry.dataset is None:
+        raise RunError("no data: set data.path or data.generator (this env has no data of its own)")
+    return to_samples(entry.dataset(**data.kwargs), "the env's data", data.limit)
+
+
+def build_env_factory(env: EnvConfig, entry: EnvEntry | None = None) -> EnvFactory:
+    """The env factory: in-process, or each env built and run in a Ray worker actor."""
+    entry = entry or resolve_env(env.name)
+    factory = entry.bind(env.kwargs)  # checks the kwargs here, before any worker starts
+    if not env.ray.enabled:
+        return factory
+    try:
+        from turnrl.distributed import ray_env_factory
+    except ImportError as exc:
+        raise RunError(f"env.ray.enabled needs ray: pip install 'turnrl[ray]' ({exc})") from None
+    return ray_env_factory(entry.factory, env.kwargs, env.ray)
+
+
+def build_rewards(config: RunSections) -> Rewards:
+    """The reward routing of ``rewards`` and ``group_rewards`` ("module:function" per data source)."""
+    return Rewards(
+        by_source={src: import_object(fn, f"reward for {src!r}") for src, fn in config.rewards.items()},
+        groups={
+            src: import_object(fn, f"group reward for {src!r}") for src, fn in config.group_rewards.items()
+        },
+    )
+
+
+def build_spec(config: RunSections, engine: Engine, tokenizer: Any, env_factory: EnvFactory) -> RolloutSpec:
+    """The rollout spec of a run: its engine, env, chat encoder, sampling (seeded), limits, rewards."""
+    encoder = ChatEncoder(
+        tokenizer, config.chat.template_kwargs, load_vision_processor(config.model, tokenizer)
+    )
+    return RolloutSpec(
+        env_factory=env_factory,
+        engine=engine,
+        encoder=encoder,
+        sampling=config.sampling.for_request(config.sampling.max_tokens, config.seed),
+        limits=config.limits,
+        check=config.chat.check,
+        rewards=build_rewards(config),
+    )

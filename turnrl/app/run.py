@@ -1,0 +1,174 @@
+"""A whole ``turnrl rollout`` run from a config: validate everything, then collect with a progress bar."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from turnrl.app.engines import build_engine
+from turnrl.app.parts import RunError, build_env_factory, build_spec, load_samples
+from turnrl.config import RunConfig, dump_config
+from turnrl.env.registry import resolve_env
+from turnrl.rollout.collector import JsonlWriter, collect, recover
+from turnrl.rollout.loop import RolloutSpec, TurnHook
+from turnrl.rollout.metrics import summarize, turn_record
+from turnrl.types import Sample, Trajectory, Turn
+
+TRAJECTORIES = "trajectories.jsonl"
+TURNS = "turns.jsonl"
+SUMMARY = "summary.json"
+
+
+@dataclass
+class Prepared:
+    """A validated run, ready to collect."""
+
+    config: RunConfig
+    samples: list[Sample]
+    spec: RolloutSpec
+    out_dir: Path
+    resume: bool = False
+
+
+RESUME_KEYS = ("model", "env", "data", "chat", "sampling", "limits", "rewards", "group_rewards", "seed")
+
+
+def _check_resumable(config: RunConfig, out_dir: Path) -> None:
+    """A resume must run what the first run ran; name the first key that differs."""
+    saved_path = out_dir / "config.yaml"
+    if not saved_path.exists():
+        raise RunError(f"cannot resume: {saved_path} is missing")
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    current = dump_config(config)
+    for key in (*RESUME_KEYS, "rollout"):
+        a, b = saved.get(key), current.get(key)
+        if key == "rollout" and isinstance(a, dict) and isinstance(b, dict):
+            a, b = a.get("group_size"), b.get("group_size")
+        if a != b:
+            raise RunError(f"cannot resume: config key {key!r} differs from the run in {out_dir}")
+
+
+def prepare(config: RunConfig, overwrite: bool = False, resume: bool = False) -> Prepared:
+    """Validate env, data, rewards and output folder, then load the model. Writes nothing."""
+    entry = resolve_env(config.env.name)
+    samples = load_samples(config.data, entry)
+    out_dir = Path(config.output_dir)
+    exists = (out_dir / TRAJECTORIES).exists()
+    if resume and overwrite:
+        raise RunError("--resume and --overwrite exclude each other")
+    if resume and exists:
+        _check_resumable(config, out_dir)
+    elif exists and not overwrite:
+        raise RunError(
+            f"{out_dir / TRAJECTORIES} already exists (pass --resume, --overwrite or set output_dir)"
+        )
+    env_factory = build_env_factory(config.env, entry)
+    engine, tokenizer = build_engine(config)
+    return Prepared(config, samples, build_spec(config, engine, tokenizer, env_factory), out_dir, resume)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]rollout"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]:.3f}  turns {task.fields[turns]:.1f}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+class _Tally:
+    """Running means for the progress bar."""
+
+    def __init__(self, trajs: list[Trajectory]) -> None:
+        self.count = len(trajs)
+        self.reward = sum(t.reward for t in trajs)
+        self.turns = sum(t.num_turns for t in trajs)
+
+    def add(self, traj: Trajectory) -> tuple[float, float]:
+        """Count one more trajectory; return the mean reward and mean turns."""
+        self.count += 1
+        self.reward += traj.reward
+        self.turns += traj.num_turns
+        return self.reward / self.count, self.turns / self.count
+
+
+def _turn_logger(prepared: Prepared) -> tuple[TurnHook | None, JsonlWriter | None]:
+    if not prepared.config.rollout.log_turns:
+        return None, None
+    writer = JsonlWriter(prepared.out_dir / TURNS, fsync=False)
+
+    def log(sample: Sample, index: int, turn_index: int, turn: Turn) -> None:
+        writer.write_record(turn_record(sample.id, index, turn_index, turn))
+
+    return log, writer
+
+
+def _start_output(prepared: Prepared) -> list[Trajectory]:
+    """Create the output folder; on resume, recover what is on disk, else start empty."""
+    out = prepared.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    if prepared.resume:
+        done, _ = recover(out / TRAJECTORIES)
+        return done
+    (out / TRAJECTORIES).unlink(missing_ok=True)
+    (out / TURNS).unlink(missing_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(dump_config(prepared.config), sort_keys=False))
+    return []
+
+
+async def run_prepared(prepared: Prepared, console: Console | None = None) -> dict[str, Any]:
+    """Collect every trajectory, writing each as it finishes; return the run summary."""
+    console = console or Console(stderr=True)
+    cfg = prepared.config
+    finished = _start_output(prepared)
+    skip = {(t.group_id, t.sample_index) for t in finished}
+    if prepared.resume:
+        console.print(f"resuming: {len(skip)} trajectories already on disk")
+    prepared.spec.on_turn, turn_writer = _turn_logger(prepared)
+    tally = _Tally(finished)
+    with _progress(console) as bar:
+        total = len(prepared.samples) * cfg.rollout.group_size
+        task = bar.add_task("rollout", total=total, completed=len(skip), reward=0.0, turns=0.0)
+
+        def on_done(traj: Trajectory) -> None:
+            finished.append(traj)
+            reward, turns = tally.add(traj)
+            bar.update(task, advance=1, reward=reward, turns=turns)
+
+        try:
+            out = prepared.out_dir / TRAJECTORIES
+            await collect(
+                prepared.samples,
+                prepared.spec,
+                group_size=cfg.rollout.group_size,
+                concurrency=cfg.rollout.concurrency,
+                out_path=out,
+                on_done=on_done,
+                skip=skip,
+            )
+        finally:
+            await prepared.spec.engine.close()
+            if turn_writer:
+                turn_writer.close()
+            shutdown = getattr(prepared.spec.env_factory, "shutdown", None)
+            if callable(shutdown):
+                shutdown()  # stop the Ray env workers
+    summary = summarize(finished)
+    (prepared.out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def run(
+    config: RunConfig, overwrite: bool = False, resume: bool = False, console: Console | None = None
+) -> dict[str, Any]:
+    """Prepare and run."""
+    return asyncio.run(run_prepared(prepare(config, overwrite, resume), console))

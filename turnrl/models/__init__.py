@@ -1,0 +1,44 @@
+"""Models that load offline: shipped names (tiny random Qwen3 and Qwen2-VL-family models,
+SmolLM2-135M from a GGUF), local folders, and hub ids already in the local cache."""
+
+from turnrl.cache import cache_dir
+from turnrl.models.files import (
+    QWEN3_EOS_IDS,
+    SMOLLM2_135M,
+    TINY_QWEN3,
+    TINY_VLMS,
+    ModelNotFoundError,
+    build_once,
+    qwen3_tokenizer_dir,
+    smollm2_gguf_path,
+)
+from turnrl.models.loading import (
+    SMOLLM2_CHAT_TEMPLATE,
+    ModelSpec,
+    build_tiny_qwen3,
+    load_model,
+    load_tokenizer,
+    load_vision_processor,
+    resolve_model,
+)
+from turnrl.models.tiny_vlm import build_tiny_vlm
+
+__all__ = [
+    "QWEN3_EOS_IDS",
+    "SMOLLM2_135M",
+    "SMOLLM2_CHAT_TEMPLATE",
+    "TINY_QWEN3",
+    "TINY_VLMS",
+    "ModelNotFoundError",
+    "ModelSpec",
+    "build_once",
+    "build_tiny_qwen3",
+    "build_tiny_vlm",
+    "cache_dir",
+    "load_model",
+    "load_tokenizer",
+    "load_vision_processor",
+    "qwen3_tokenizer_dir",
+    "resolve_model",
+    "smollm2_gguf_path",
+]

@@ -1,0 +1,47 @@
+"""The JSON record of a trajectory, as written to ``trajectories.jsonl``, and back.
+
+The record is the ``Trajectory`` dataclass as a dict with ``schema_version`` first; the stop
+reason is its string value; images become PNG data URLs in ``images`` and message image
+parts ``{"type": "image", "image_index": k}``; the training tensors are left out
+(``turnrl.vision`` recomputes them from the images). ``tests/test_codec.py`` pins the schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from turnrl.types import SCHEMA_VERSION, StopReason, Trajectory, Turn
+from turnrl.vision.content import data_url, load_image, messages_from_json, messages_to_json
+
+
+def trajectory_to_json(traj: Trajectory) -> dict[str, Any]:
+    """A JSON-ready dict of ``traj`` (its images as data URLs, without training tensors)."""
+    images, traj.images = traj.images, []
+    tensors, traj.multimodal_inputs = traj.multimodal_inputs, {}
+    try:
+        body = asdict(traj)
+    finally:
+        traj.images, traj.multimodal_inputs = images, tensors
+    del body["multimodal_inputs"]
+    body["stop_reason"] = traj.stop_reason.value
+    if images:
+        body["messages"] = messages_to_json(traj.messages, images)
+        body["images"] = [data_url(image) for image in images]
+    return {"schema_version": SCHEMA_VERSION, **body}
+
+
+def trajectory_from_json(record: dict[str, Any]) -> Trajectory:
+    """The inverse of ``trajectory_to_json`` (images come back as PIL images); reads schema 1 too."""
+    data = dict(record)
+    version = data.pop("schema_version", 1)
+    if version > SCHEMA_VERSION:
+        raise ValueError(
+            f"trajectory schema_version {version} is newer than this turnrl reads ({SCHEMA_VERSION})"
+        )
+    data["stop_reason"] = StopReason(data["stop_reason"])
+    data["turns"] = [Turn(**t) for t in data.get("turns", [])]
+    if data.get("images"):
+        data["images"] = [load_image(url) for url in data["images"]]
+        data["messages"] = messages_from_json(data["messages"], data["images"])
+    return Trajectory(**data)
