@@ -45,8 +45,11 @@ def test_rollout_writes_trajectories_and_summary(tmp_path: Path, tiny_qwen3_dir:
     assert len(first["response_ids"]) == len(first["loss_mask"]) == len(first["rollout_logprobs"])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["trajectories"] == 6 and sum(summary["stop_reasons"].values()) == 6
-    again = turnrl("rollout", str(config), cwd=tmp_path)
-    assert again.returncode == 2 and "already exists" in again.stderr  # never overwrites silently
+    again = turnrl("rollout", str(config), cwd=tmp_path)  # the same command again: a new folder
+    assert again.returncode == 0 and "writing to" in again.stderr, again.stderr
+    assert (tmp_path / "run-2" / "trajectories.jsonl").read_text().count("\n") == 3
+    assert len((tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()) == 6  # kept
+    assert "run-2" in (tmp_path / "run-2" / "config.yaml").read_text()
 
 
 @pytest.mark.parametrize(
@@ -118,7 +121,7 @@ def test_rollout_with_env_workers_on_ray(tmp_path: Path, tiny_qwen3_dir: Path) -
 def test_server_engine_needs_urls(tmp_path: Path) -> None:
     config = write_config(tmp_path, "tiny-qwen3", {"engine": {"kind": "openai", "dialect": "llamacpp"}})
     result = turnrl("rollout", str(config), cwd=tmp_path)
-    assert result.returncode == 2 and "engine.kind 'openai' needs engine.urls" in result.stderr
+    assert result.returncode == 2 and "missing config key 'engine.urls'" in result.stderr
 
 
 def test_train_runs_a_step_and_resumes(tmp_path: Path, tiny_qwen3_dir: Path) -> None:

@@ -186,7 +186,7 @@ async def test_remote_env_calls_run_in_the_worker(pool: RayEnvPool) -> None:
     result = await env.step("[11]")
     assert env.format_observation(result.observation)[0]["content"].startswith("Invalid guess")
     assert env.format_observation("other") == [{"role": "user", "content": "other"}]  # the round-trip path
-    assert await env.score(Trajectory("t", "t", "d", [], [], [], [], [], [])) == 0.0
+    assert await env.score(Trajectory("t", "t", "d", StopReason.ENV_DONE)) == 0.0
     assert sum(pool.loads) == 1 and await pool.live_envs() == 1
     await env.close()
     assert pool.loads == [0, 0] and await pool.live_envs() == 0

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import reasoning_gym
-from turnrl.app import load_samples
 
+from turnrl.app import load_samples
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import load_config
 from turnrl.data import read_rows, sample_from_row, to_samples
@@ -36,8 +36,7 @@ def trajectory(*texts: str) -> Trajectory:
     """A trajectory whose model turns said ``texts`` (tokens are irrelevant to scoring)."""
     turns = [Turn(role="assistant", start=0, end=0, text=t) for t in texts]
     return Trajectory(
-        id="t/0", group_id="t", data_source="test", prompt_ids=[], response_ids=[], loss_mask=[],
-        rollout_logprobs=[], turns=turns, messages=[],
+        id="t/0", group_id="t", data_source="test", stop_reason=StopReason.ENV_DONE, turns=turns,
     )  # fmt: skip
 
 

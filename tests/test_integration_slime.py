@@ -365,9 +365,7 @@ def test_every_stop_reason_maps_to_a_slime_status(stop: StopReason) -> None:
         StopReason.ABORTED: "ABORTED",
     }[stop]
     assert status_name(stop) == expected
-    traj = Trajectory(
-        "s/0", "s", "d", [1, 2], [3, 4, 5], [1, 0, 1], [-0.5, 0.0, -0.25], [], [], stop_reason=stop
-    )
+    traj = Trajectory("s/0", "s", "d", stop, [1, 2], [3, 4, 5], [1, 0, 1], [-0.5, 0.0, -0.25])
     sample = Sample(index=0, prompt="x")
     fill(sample, traj, "abc", ["1"])
     assert sample.status == getattr(Sample.Status, expected)

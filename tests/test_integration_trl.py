@@ -11,7 +11,6 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from turnrl.config import ChatConfig
-from turnrl.rollout import Limits
 from turnrl.engines.hf import HFEngine
 from turnrl.integrations.prompt_index import PromptIndex, prompt_key, tag_prompt
 from turnrl.integrations.trl import (
@@ -22,6 +21,7 @@ from turnrl.integrations.trl import (
     turnrl_reward,
 )
 from turnrl.models import load_model, load_tokenizer
+from turnrl.rollout import Limits
 from turnrl.rollout.collector import read_trajectories
 from turnrl.testing import EchoEnv
 from turnrl.types import Sample, SamplingParams, StopReason, Trajectory

@@ -36,11 +36,7 @@ from turnrl.engines.http import RequestError  # noqa: E402
 from turnrl.engines.openai import OpenAIEngine  # noqa: E402
 from turnrl.engines.servers import free_port  # noqa: E402
 from turnrl.rollout.collector import collect, iter_trajectories  # noqa: E402
-from turnrl.types import (
-    Generation,
-    SamplingParams,
-    Trajectory,
-)
+from turnrl.types import Generation, SamplingParams, Trajectory  # noqa: E402
 
 # Engines defined here travel to the actors by value (this test module is not importable there).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

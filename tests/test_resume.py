@@ -80,7 +80,7 @@ def test_resume_refuses_a_different_run(tmp_path: Path, tiny_qwen3_dir: Path) ->
 
 def test_recover_drops_a_cut_line_and_duplicates(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    record = Trajectory("a/0", "a", "d", [1], [], [], [], [], [], stop_reason=StopReason.ENV_DONE)
+    record = Trajectory("a/0", "a", "d", StopReason.ENV_DONE, [1])
     line = json.dumps(trajectory_to_json(record))
     path.write_text(f"{line}\n{line}\n{line[:20]}")
     trajs, dropped = recover(path)

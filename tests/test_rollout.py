@@ -14,7 +14,7 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
 from turnrl.env.tool_env import ToolEnv
-from turnrl.rewards import RewardContext
+from turnrl.rewards import RewardContext, Rewards
 from turnrl.rollout.collector import collect, read_trajectories
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
 from turnrl.testing import BrokenResetEnv, EchoEnv, FlakyEnv
@@ -169,9 +169,9 @@ async def test_reward_routing_and_close_always_runs(qwen3_tokenizer: Any) -> Non
         return 10.0 if ctx.final_text == "a" else 0.0
 
     spec = spec_for(ScriptedEngine(qwen3_tokenizer, ["a", RuntimeError("boom")]), qwen3_tokenizer, make)
-    spec.reward_fn = reward
+    spec.rewards = Rewards(by_source={"calc": reward})
     assert (await run(spec)).reward == 10.0
-    spec.reward_fn = None
+    spec.rewards = Rewards()
     assert (await run(spec)).stop_reason == StopReason.ENGINE_ERROR
     assert all(e.closed for e in envs)
 

@@ -25,8 +25,7 @@ def make_sample(**kwargs: Any) -> Sample:
 
 def trajectory() -> Trajectory:
     return Trajectory(
-        id="s0/0", group_id="s0", data_source="default", prompt_ids=[], response_ids=[], loss_mask=[],
-        rollout_logprobs=[], turns=[], messages=[],
+        id="s0/0", group_id="s0", data_source="default", stop_reason=StopReason.ENV_DONE,
     )  # fmt: skip
 
 

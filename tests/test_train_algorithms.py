@@ -16,7 +16,7 @@ from turnrl.train.loss import (
     kl_k3,
     policy_loss,
 )
-from turnrl.types import Trajectory, Turn
+from turnrl.types import StopReason, Trajectory, Turn
 
 
 def traj(group: str, reward: float, turn_rewards: list[float] | None = None, turns: int = 1) -> Trajectory:
@@ -25,6 +25,7 @@ def traj(group: str, reward: float, turn_rewards: list[float] | None = None, tur
         id=f"{group}/x",
         group_id=group,
         data_source="t",
+        stop_reason=StopReason.ENV_DONE,
         prompt_ids=[1],
         response_ids=[2] * turns,
         loss_mask=[1] * turns,

@@ -37,7 +37,7 @@ def two_turn(tid: str = "g/0", reward: float = 1.0) -> Trajectory:
 
 
 def failed_start() -> Trajectory:
-    return Trajectory("h/0", "h", "t", [], [], [], [], [], [], stop_reason=StopReason.ENV_ERROR)
+    return Trajectory("h/0", "h", "t", StopReason.ENV_ERROR)
 
 
 def test_trajectory_mode_keeps_the_whole_sequence() -> None:

@@ -130,7 +130,6 @@ def _image_token_count(traj: Trajectory, image_token_id: int) -> int:
 
 @pytest.mark.slow
 async def test_frozen_lake_rollout_with_tiny_qwen2_vl() -> None:
-    from turnrl.engines.hf import HFEngine
 
     engine = hf_engine("tiny-qwen2-vl", seed=0)
     tokenizer = engine.tokenizer

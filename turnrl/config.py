@@ -307,7 +307,7 @@ def first_error(exc: ValidationError) -> str:
     loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in ENGINE_KINDS)]
     where = ".".join(loc) or "config"
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    if err["type"] == "extra_forbidden":
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
         return f"unknown config key {where!r}{more}"
     if err["type"] == "missing":
         return f"missing config key {where!r}{more}"

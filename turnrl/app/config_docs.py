@@ -68,7 +68,9 @@ def field_docs(cls: Any, prefix: str = "") -> Iterator[FieldDoc]:
         key = f"{prefix}{name}"
         sections = _sections(info.annotation)
         kinds = [_kind(section) for section in sections]
-        type_name = " | ".join(f"{k} section" for k in kinds) if len(sections) > 1 else _type_name(info.annotation)
+        type_name = (
+            " | ".join(f"{k} section" for k in kinds) if len(sections) > 1 else _type_name(info.annotation)
+        )
         yield FieldDoc(key, type_name, _default(info), info.description or "")
         for section, kind in zip(sections, kinds, strict=True):
             tag = f" (when kind is {kind})" if len(sections) > 1 else ""

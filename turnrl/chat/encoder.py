@@ -184,13 +184,16 @@ class ConversationEncoder:
         prompt_ids: list[int],
         response_ids: list[int],
         messages: Sequence[Message],
-        last_token_text: str | None,
-        ends_with_model: bool,
-        mode: CheckMode,
+        *,
+        last_token_text: str | None = None,
+        ends_with_model: bool = True,
+        mode: CheckMode = "strict",
         loss_mask: Sequence[int] | None = None,
         images: Sequence[ImageInput] = (),
     ) -> CheckResult:
-        """Compare the rollout's tokens with a full re-render of ``messages``."""
+        """Compare the rollout's tokens with a full re-render of ``messages``. ``last_token_text``:
+        the last model turn's final token as text (``assistant_text`` gives it); ``ends_with_model``:
+        the sequence ends with a model turn (no observation after it)."""
         if mode == "disable":
             return CheckResult(mode=mode, ok=True)
         closing = self.closing_ids(last_token_text) if ends_with_model else []

@@ -144,7 +144,7 @@ def report_for(encoder: ChatEncoder, model: str, tools: Tools = None) -> Templat
         scenario_tools = tools if uses_tools else None
         prompt_ids, response, messages, last = simulate(encoder, scenario_tools, script)
         conv = encoder.conversation(scenario_tools)
-        report.results[name] = conv.check(prompt_ids, response, messages, last, True, "strict")
+        report.results[name] = conv.check(prompt_ids, response, messages, last_token_text=last, mode="strict")
     return report
 
 

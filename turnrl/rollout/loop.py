@@ -340,11 +340,11 @@ def _finish_metrics(
             traj.prompt_ids,
             traj.response_ids,
             _check_messages(traj.messages),
-            last_text,
-            ends_with_model,
-            mode,
-            traj.loss_mask,
-            images,
+            last_token_text=last_text,
+            ends_with_model=ends_with_model,
+            mode=mode,
+            loss_mask=traj.loss_mask,
+            images=images,
         )
     except Exception as exc:  # a template that cannot render the final messages
         traj.metrics["check/error"] = f"{type(exc).__name__}: {exc}"
