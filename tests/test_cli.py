@@ -47,7 +47,7 @@ def test_rollout_writes_trajectories_and_summary(tmp_path: Path, tiny_qwen3_dir:
     assert summary["trajectories"] == 6 and sum(summary["stop_reasons"].values()) == 6
     again = turnrl("rollout", str(config), cwd=tmp_path)  # the same command again: a new folder
     assert again.returncode == 0 and "writing to" in again.stderr, again.stderr
-    assert (tmp_path / "run-2" / "trajectories.jsonl").read_text().count("\n") == 3
+    assert (tmp_path / "run-2" / "trajectories.jsonl").read_text().count("\n") == 6
     assert len((tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()) == 6  # kept
     assert "run-2" in (tmp_path / "run-2" / "config.yaml").read_text()
 

@@ -362,6 +362,7 @@ def test_every_stop_reason_maps_to_a_slime_status(stop: StopReason) -> None:
         StopReason.LENGTH: "TRUNCATED",
         StopReason.ENV_ERROR: "FAILED",
         StopReason.ENGINE_ERROR: "FAILED",
+        StopReason.INTERNAL_ERROR: "FAILED",
         StopReason.ABORTED: "ABORTED",
     }[stop]
     assert status_name(stop) == expected

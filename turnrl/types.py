@@ -158,7 +158,7 @@ class SamplingParams:
     """Nucleus sampling; 1.0 keeps the whole distribution."""
     top_k: Annotated[int, Field(ge=0)] = 0
     """0 keeps every token."""
-    max_tokens: Annotated[int, Field(ge=1)] = 256
+    max_tokens: Annotated[int, Field(ge=0)] = 256
     """Per generation; the rollout lowers it to the trajectory's budget left."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra stop tokens, on top of the model's eos ids."""
@@ -246,15 +246,25 @@ class WeightUpdatable(Protocol):
         ...
 
 
+def can_abort(engine: object) -> bool:
+    """Whether ``engine`` has a callable ``abort_all``."""
+    return callable(getattr(engine, "abort_all", None))
+
+
+def can_update_weights(engine: object) -> bool:
+    """Whether ``engine`` has a callable ``update_weights``."""
+    return callable(getattr(engine, "update_weights", None))
+
+
 def as_abortable(engine: object) -> Abortable:
     """The engine, if it can abort everything in flight; a clear TypeError otherwise."""
-    if not isinstance(engine, Abortable):
+    if not (isinstance(engine, Abortable) and can_abort(engine)):
         raise TypeError(f"{type(engine).__name__} cannot abort generations in flight (no abort_all)")
     return engine
 
 
 def as_updatable(engine: object) -> WeightUpdatable:
     """The engine, if its weights can be updated; a clear TypeError otherwise."""
-    if not isinstance(engine, WeightUpdatable):
+    if not (isinstance(engine, WeightUpdatable) and can_update_weights(engine)):
         raise TypeError(f"{type(engine).__name__} cannot update its weights (no update_weights)")
     return engine

@@ -13,7 +13,17 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from turnrl.types import Abortable, Engine, EngineError, Generation, SamplingParams, Weights, WeightUpdatable
+from turnrl.types import (
+    Engine,
+    EngineError,
+    Generation,
+    SamplingParams,
+    Weights,
+    as_abortable,
+    as_updatable,
+    can_abort,
+    can_update_weights,
+)
 
 
 class EngineHost:
@@ -43,15 +53,15 @@ class EngineHost:
 
     async def abort_all(self) -> None:
         """Abort every generation in flight (they return with finish_reason "abort")."""
-        if not isinstance(self.engine, Abortable):
+        if not can_abort(self.engine):
             raise EngineError(f"{type(self.engine).__name__} cannot abort generations in flight")
-        await self.engine.abort_all()
+        await as_abortable(self.engine).abort_all()
 
     async def update_weights(self, weights: Weights, version: int | None = None) -> int:
         """Load new weights (a state dict, or a checkpoint folder on this node); the new version."""
-        if not isinstance(self.engine, WeightUpdatable):
+        if not can_update_weights(self.engine):
             raise EngineError(f"{type(self.engine).__name__} cannot update its weights")
-        self.version = await self.engine.update_weights(weights, version=version)
+        self.version = await as_updatable(self.engine).update_weights(weights, version=version)
         return self.version
 
     async def close(self) -> None:

@@ -32,7 +32,6 @@ from typing import Any
 
 from turnrl.engines.http import ServerError
 from turnrl.types import (
-    Abortable,
     Engine,
     EngineError,
     Generation,
@@ -40,6 +39,7 @@ from turnrl.types import (
     Weights,
     as_abortable,
     as_updatable,
+    can_abort,
 )
 
 _MAX_SESSIONS = 100_000  # remembered sessions; the least recently used are forgotten first
@@ -161,7 +161,7 @@ class BalancedEngine:
     async def abort_all(self) -> None:
         """Abort the generations in flight on every engine not retired (each must have ``abort_all``)."""
         targets = self.active()
-        missing = [self.stats[i].name for i in targets if not isinstance(self.engines[i], Abortable)]
+        missing = [self.stats[i].name for i in targets if not can_abort(self.engines[i])]
         if missing:
             raise TypeError(f"cannot abort generations in flight on {', '.join(missing)} (no abort_all)")
         calls = (as_abortable(self.engines[i]).abort_all() for i in targets)

@@ -12,7 +12,7 @@ the sample the way slime's own generate does:
 - ``response``: the response decoded (env text included, special tokens kept);
 - ``status``: COMPLETED (env_done, no_tool_call), TRUNCATED (max_turns, token_budget, length),
   ABORTED (aborted, e.g. slime aborting the servers for a weight update), FAILED (env_error,
-  engine_error; ABORTED where slime's Sample has no FAILED);
+  engine_error, internal_error; ABORTED where slime's Sample has no FAILED);
 - ``reward``: turnrl's reward when it computed one (reward function, env score, non-zero step
   rewards), else left None for slime's reward model (``--custom-rm-path`` / ``--rm-type``);
 - ``weight_versions``: the server's weight version per model turn; ``metadata["turnrl"]``: stop
@@ -71,7 +71,7 @@ OWNED = frozenset(
     }
 )
 COMPLETED = frozenset({StopReason.ENV_DONE, StopReason.NO_TOOL_CALL})
-FAILED = frozenset({StopReason.ENV_ERROR, StopReason.ENGINE_ERROR})
+FAILED = frozenset({StopReason.ENV_ERROR, StopReason.ENGINE_ERROR, StopReason.INTERNAL_ERROR})
 TIMEOUT_S = 3600.0  # one /generate request
 
 _LOCK = threading.Lock()

@@ -1,0 +1,222 @@
+"""The worker thread that owns the model: continuous batching of generation requests.
+
+Each iteration it (1) applies pending weight updates, (2) prefills newly arrived requests one
+by one (no padding, so a prompt's cache is the same as when run alone; after its session's kept
+KV when the prompt extends it), (3) merges them into the running batch, whose KV caches are
+left-padded to a common length, and (4) runs one decode step for every running row. Requests
+join and leave between steps; asyncio callers only wait on futures, so their loop stays free.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from turnrl.engines.hf.kv import Batch, first_row
+from turnrl.engines.hf.positions import image_kwargs
+from turnrl.engines.hf.prefix_cache import PrefixCache
+from turnrl.engines.hf.requests import Request, WeightUpdate, resolve
+from turnrl.engines.hf.sampling import sample_token
+from turnrl.types import EngineError, FinishReason
+from turnrl.vision.processor import VisionProcessor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class Scheduler:
+    """Queues work for the worker thread (started on first use) and runs it there."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        num_threads: int | None,
+        vision: VisionProcessor | None,
+        prefix_cache: PrefixCache,
+    ) -> None:
+        self.model = model
+        self.version = 0  # weight updates applied
+        self.prefix_cache = prefix_cache
+        self._max_batch_size = max_batch_size
+        self._max_prefill_tokens = max_prefill_tokens
+        self._num_threads = num_threads
+        self._vision = vision
+        self._cond = threading.Condition()
+        self._pending: deque[Request] = deque()
+        self._updates: deque[WeightUpdate] = deque()
+        self._closing = False
+        self._aborting = False
+        self._thread: threading.Thread | None = None
+
+    # ---- called from the callers' threads ----
+
+    def submit(self, item: Request | WeightUpdate) -> None:
+        """Queue a request or a weight update, starting the worker on first use."""
+        with self._cond:
+            if self._closing:
+                raise EngineError("engine is closed")
+            if isinstance(item, Request):
+                self._pending.append(item)
+            else:
+                self._updates.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="turnrl-hf-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        """End every running and queued request with what it has; blocks until done."""
+        with self._cond:
+            if self._thread is None:
+                return
+            self._aborting = True
+            self._cond.notify_all()
+            while self._aborting and self._thread.is_alive():
+                self._cond.wait(0.05)
+
+    def close(self) -> None:
+        """Stop the worker (its requests end with "abort"); blocks until it is gone."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    # ---- the worker thread ----
+
+    def _run(self) -> None:
+        """The worker loop: weight updates, admissions, one decode step, repeat."""
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        batch = Batch()
+        while True:
+            if self._aborting:
+                self._abort(batch)
+                batch = Batch()
+            work = self._take_work(len(batch))
+            if work is None:
+                break
+            new, updates = work
+            for update in updates:
+                self._apply_update(update)
+            try:
+                with torch.inference_mode():
+                    self._step(batch, new)
+            except Exception as err:  # a failed step fails its requests, not the engine
+                for request in [*batch.requests, *new]:
+                    resolve(request.loop, request.future, EngineError(f"generation failed: {err!r}"))
+                batch = Batch()
+        self._abort(batch)
+
+    def _take_work(self, running: int) -> tuple[list[Request], list[WeightUpdate]] | None:
+        """Wait for something to do; take queued requests that fit. None when closing."""
+        with self._cond:
+            while not (self._closing or self._aborting or self._pending or self._updates or running):
+                self._cond.wait()
+            if self._aborting:
+                return [], []
+            if self._closing:
+                return None
+            new: list[Request] = []
+            budget = self._max_prefill_tokens
+            while self._pending and running + len(new) < self._max_batch_size:
+                if new and len(self._pending[0].prompt_ids) > budget:
+                    break
+                budget -= len(self._pending[0].prompt_ids)
+                new.append(self._pending.popleft())
+            updates = list(self._updates)
+            self._updates.clear()
+            return new, updates
+
+    def _apply_update(self, update: WeightUpdate) -> None:
+        """Load a state dict into the model (between steps, so no forward pass sees half of it)."""
+        try:
+            with torch.no_grad():
+                self.model.load_state_dict(dict(update.state_dict), strict=update.strict)
+            self.prefix_cache.clear()  # its KV was computed with the old weights
+            self.version = self.version + 1 if update.version is None else update.version
+            resolve(update.loop, update.future, self.version)
+        except Exception as err:
+            resolve(update.loop, update.future, err)
+
+    def _step(self, batch: Batch, new: list[Request]) -> None:
+        """Prefill the new requests, merge them in, then decode one token for every row."""
+        prefilled = [(r, cache) for r in new if not r.cancelled and (cache := self._prefill(r)) is not None]
+        keep = [not r.cancelled for r in batch.requests]
+        if prefilled or not all(keep):
+            batch.rebuild(keep, prefilled)
+        if len(batch):
+            self._decode(batch)
+
+    def _prefill(self, request: Request) -> Cache | None:
+        """Run the prompt alone (after its session's kept KV, when the prompt extends it), sample
+        its first token; its cache, or None when it already finished."""
+        cache = DynamicCache(config=self.model.config)
+        start = self.prefix_cache.reuse(request, cache)
+        ids = torch.tensor([request.prompt_ids[start:]], device=self.model.device)
+        extra: dict[str, Any] = {}
+        if request.images:
+            assert self._vision is not None
+            extra = image_kwargs(self.model, self._vision, request, ids)
+        if start:
+            extra["position_ids"] = torch.arange(start, len(request.prompt_ids), device=ids.device)[None]
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+        self.prefix_cache.stats["prefilled_tokens"] += ids.shape[1]
+        reason = self._sample(request, out.logits[0, -1])
+        if reason is not None:
+            request.finish(reason)
+            if self.prefix_cache.keeps(request):
+                self.prefix_cache.remember(
+                    request, [first_row(cache, layer) for layer in range(len(cache.layers))]
+                )
+            return None
+        return cache
+
+    def _decode(self, batch: Batch) -> None:
+        """One forward step for every row; finished rows leave the batch."""
+        inputs = batch.step_inputs(self.model.device)
+        out = self.model(**inputs, past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
+        batch.lengths = [n + 1 for n in batch.lengths]
+        keep = []
+        for row, request in enumerate(batch.requests):
+            reason = self._sample(request, out.logits[row, -1])
+            if reason is not None:
+                request.finish(reason)
+                if self.prefix_cache.keeps(request):
+                    self.prefix_cache.remember(
+                        request, [batch.row(layer, row) for layer in range(batch.num_layers)]
+                    )
+            keep.append(reason is None and not request.cancelled)
+        if not all(keep):
+            batch.rebuild(keep, [])
+
+    def _sample(self, request: Request, logits_V: torch.Tensor) -> FinishReason | None:
+        """Sample the request's next token; the finish reason if it ends the generation."""
+        token, logprob = sample_token(logits_V, request.sampling, request.generator)
+        return request.add_token(token, logprob, self.version)
+
+    def _abort(self, batch: Batch) -> None:
+        """End every running and queued request with what it has so far."""
+        with self._cond:
+            queued = list(self._pending)
+            self._pending.clear()
+            updates = list(self._updates)
+            self._updates.clear()
+        for request in [*batch.requests, *queued]:
+            request.finish("abort")
+        if self._aborting:
+            with self._cond:
+                self._updates.extendleft(reversed(updates))  # an abort keeps pending weight updates
+                self._aborting = False
+                self._cond.notify_all()
+            return
+        for update in updates:
+            resolve(update.loop, update.future, EngineError("engine closed before the weight update"))
