@@ -202,7 +202,7 @@ async def test_engine_served_from_a_node_then_killed_mid_rollout_loses_nothing(
     config = tmp_path / "node.yaml"
     config.write_text(on_registry(tmp_path, tiny_qwen3_dir, replicas=1, num_cpus=0.5).model_dump_json())
     node = subprocess.Popen(
-        [sys.executable, "-m", "turnrl.distributed.serve", str(config), "--address", ray_cluster],
+        [sys.executable, "-m", "turnrl.cli", "serve", str(config), "--address", ray_cluster],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
