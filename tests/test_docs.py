@@ -1,0 +1,47 @@
+"""The docs cannot rot: every Python snippet in the README and the docs runs, page by page, in a
+fresh process; the architecture page's layers are the ones the import test enforces."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_architecture import LAYERS
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SNIPPET = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
+
+
+def snippets(page: Path) -> list[str]:
+    return SNIPPET.findall(page.read_text())
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if snippets(p)], ids=lambda p: p.name)
+def test_every_python_snippet_runs(page: Path, tmp_path: Path) -> None:
+    code = "\n\n".join(snippets(page))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, f"{page.name}: {result.stderr[-3000:]}"
+
+
+def test_the_pages_have_snippets_to_run() -> None:
+    assert {p.name for p in PAGES if snippets(p)} >= {"README.md", "configuration.md", "environments.md"}
+
+
+def test_the_architecture_page_lists_the_enforced_layers() -> None:
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("<!-- layers -->")[1].split("<!-- /layers -->")[0]
+    listed = [set(re.findall(r"`(\w+)`", line)) for line in block.strip().splitlines()]
+    assert listed == LAYERS
+
+
+def test_every_page_is_in_the_site_nav() -> None:
+    nav = (REPO / "mkdocs.yml").read_text()
+    assert all(f": {p.name}" in nav for p in (REPO / "docs").glob("*.md"))
