@@ -19,6 +19,7 @@ from turnrl.engines.hf import HFEngine
 from turnrl.engines.openai import OpenAIEngine
 from turnrl.engines.sglang import SGLangEngine
 from turnrl.models import load_model
+from turnrl.testing import until
 from turnrl.types import EngineError, Generation, SamplingParams, WeightUpdatable
 
 EOS = 151645
@@ -101,21 +102,18 @@ async def test_servers_without_a_weight_endpoint_refuse(dialect: Any) -> None:
 
 
 async def test_openai_abort_all_cancels_requests_in_flight() -> None:
-    arrived = asyncio.Event()
+    arrived: list[httpx.Request] = []
 
     async def handler(request: httpx.Request) -> httpx.Response:
-        arrived.set()
+        arrived.append(request)
         await asyncio.Event().wait()  # never answers: only cancellation ends it
         raise AssertionError("unreachable")
 
     engine = OpenAIEngine("http://srv:8000", transport=httpx.MockTransport(handler), timeout_s=60)
     calls = [asyncio.create_task(engine.generate(PROMPT, SamplingParams())) for _ in range(3)]
-    await asyncio.wait_for(arrived.wait(), 5)
-    await asyncio.sleep(0.05)
-    start = time.monotonic()
+    await until(lambda: len(arrived) == 3, what="three requests at the server")
     await engine.abort_all()
-    gens = await asyncio.wait_for(asyncio.gather(*calls), 2)
-    assert time.monotonic() - start < 2
+    gens = await asyncio.wait_for(asyncio.gather(*calls), 10)  # the abort ends them, not the 60 s timeout
     assert all((g.token_ids, g.logprobs, g.finish_reason) == ([], [], "abort") for g in gens)
     await engine.abort_all()  # nothing in flight: a no-op
     await engine.close()

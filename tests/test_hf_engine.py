@@ -14,6 +14,7 @@ from turnrl.app import hf_engine
 from turnrl.engines import HFEngine
 from turnrl.engines.hf import sample_token
 from turnrl.models import load_model, load_tokenizer
+from turnrl.testing import until
 from turnrl.types import Engine, EngineError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -207,7 +208,7 @@ async def test_update_weights_waits_for_the_step_and_running_requests_go_on(tiny
         running = asyncio.create_task(
             eng.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=150))
         )
-        await asyncio.sleep(0.2)
+        await until(lambda: eng.tokens_sampled >= 5, what="the request to be decoding")
         await eng.update_weights(model.state_dict())
         gen = await running
     assert gen.finish_reason == "length" and len(gen.token_ids) == 150
@@ -224,7 +225,7 @@ async def test_bad_state_dict_raises_and_engine_goes_on(engine: HFEngine) -> Non
 async def test_close_aborts_running_requests(tiny_qwen3_model: Any) -> None:
     eng = HFEngine(tiny_qwen3_model)
     running = asyncio.create_task(eng.generate([1, 2, 3], SamplingParams(max_tokens=20000)))
-    await asyncio.sleep(0.3)
+    await until(lambda: eng.tokens_sampled >= 5, what="the request to be decoding")
     await eng.close()
     gen = await running
     assert gen.finish_reason == "abort"
@@ -235,7 +236,7 @@ async def test_close_aborts_running_requests(tiny_qwen3_model: Any) -> None:
 
 async def test_cancelled_request_leaves_the_batch(engine: HFEngine) -> None:
     task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_tokens=20000)))
-    await asyncio.sleep(0.2)
+    await until(lambda: engine.tokens_sampled >= 5, what="the request to be decoding")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

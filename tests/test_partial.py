@@ -13,7 +13,7 @@ from turnrl.models import load_model
 from turnrl.rollout.collector import collect
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.loop import Limits, RolloutSpec
-from turnrl.testing import EchoEnv
+from turnrl.testing import EchoEnv, until
 from turnrl.types import Sample, SamplingParams, StopReason, Trajectory
 
 MAX_TOKENS = 64
@@ -48,7 +48,8 @@ def perturbed(model: Any) -> dict[str, torch.Tensor]:
 
 
 async def pause_update_resume(engine: HFEngine, control: RolloutControl, new_weights: dict[str, Any]) -> None:
-    await asyncio.sleep(0.4)  # prefill is done and every turn is part-way (a turn takes over a second)
+    # every trajectory is part-way through its turn: six rows decode together, ~5 tokens each
+    await until(lambda: engine.tokens_sampled >= 30, what="30 sampled tokens")
     await control.pause(engine)
     version = await engine.update_weights(new_weights)
     control.resume(version)

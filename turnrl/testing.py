@@ -4,13 +4,15 @@ that are deterministic, instant, and failing on purpose."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
 from turnrl.env.base import Env
 from turnrl.types import Message, Sample, StepResult
 
-__all__ = ["BrokenResetEnv", "EchoEnv", "FlakyEnv", "ScriptedEngine", "ScriptedReply"]
+__all__ = ["BrokenResetEnv", "EchoEnv", "FlakyEnv", "ScriptedEngine", "ScriptedReply", "until"]
 
 
 class EchoEnv(Env):
@@ -79,3 +81,13 @@ class BrokenResetEnv(EchoEnv):
     async def reset(self) -> list[Message]:
         """Fail."""
         raise RuntimeError("reset is broken")
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 60.0, what: str = "the condition") -> None:
+    """Return as soon as ``condition()`` holds (checked every few milliseconds); TimeoutError naming
+    ``what`` after ``timeout_s``. Tests wait on a state this way instead of sleeping a fixed time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s}s")
+        await asyncio.sleep(0.002)

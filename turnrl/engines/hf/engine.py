@@ -126,6 +126,11 @@ class HFEngine:
         return self._scheduler.version
 
     @property
+    def tokens_sampled(self) -> int:
+        """Tokens sampled since the engine started, over every request (progress for tests and bars)."""
+        return self._scheduler.tokens_sampled
+
+    @property
     def prefix_stats(self) -> dict[str, int]:
         """Prefix-cache counters: hits, reused_tokens, prefilled_tokens."""
         return self._prefix_cache.stats

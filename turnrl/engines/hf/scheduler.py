@@ -43,6 +43,7 @@ class Scheduler:
     ) -> None:
         self.model = model
         self.version = 0  # weight updates applied
+        self.tokens_sampled = 0  # tokens sampled since start, over every request
         self.prefix_cache = prefix_cache
         self._max_batch_size = max_batch_size
         self._max_prefill_tokens = max_prefill_tokens
@@ -201,6 +202,7 @@ class Scheduler:
     def _sample(self, request: Request, logits_V: torch.Tensor) -> FinishReason | None:
         """Sample the request's next token; the finish reason if it ends the generation."""
         token, logprob = sample_token(logits_V, request.sampling, request.generator)
+        self.tokens_sampled += 1
         return request.add_token(token, logprob, self.version)
 
     def _abort(self, batch: Batch) -> None:
