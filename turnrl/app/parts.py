@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from turnrl.chat.encoder import ChatEncoder
@@ -64,7 +65,7 @@ def build_spec(config: RunSections, engine: Engine, tokenizer: Any, env_factory:
         env_factory=env_factory,
         engine=engine,
         encoder=encoder,
-        sampling=config.sampling.for_request(config.sampling.max_tokens, config.seed),
+        sampling=dataclasses.replace(config.sampling, seed=config.seed),
         limits=config.limits,
         check=config.chat.check,
         rewards=build_rewards(config),

@@ -58,6 +58,7 @@ class AgentSettings(BaseModel):
     limits: Limits = Field(default_factory=Limits)
     rewards: dict[str, str] = Field(default_factory=dict)  # data_source -> "module:function"
     _given: dict[str, frozenset[str]] = PrivateAttr(default_factory=dict)
+    _rewards: Rewards | None = PrivateAttr(default=None)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -72,9 +73,12 @@ class AgentSettings(BaseModel):
         return key in self._given.get(section, frozenset())
 
     def reward_routing(self) -> Rewards:
-        """The settings' reward functions, each noting where a reward came from (``tracked_reward``)."""
-        by_source = {src: import_object(fn, f"reward for {src!r}") for src, fn in self.rewards.items()}
-        return Rewards(default=tracked_reward(by_source))
+        """The settings' reward functions, each noting where a reward came from (``tracked_reward``);
+        imported once per settings object (the hooks call this for every trajectory)."""
+        if self._rewards is None:
+            by_source = {src: import_object(fn, f"reward for {src!r}") for src, fn in self.rewards.items()}
+            self._rewards = Rewards(default=tracked_reward(by_source))
+        return self._rewards
 
 
 _LOCK = threading.Lock()
