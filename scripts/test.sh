@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/install_browser.sh   # Debian's chromium, for the viewer's browser tests
 bash scripts/install_server.sh    # llama.cpp's llama-server built from source, for the server tests
+bash scripts/install_vllm.sh      # vLLM's own virtualenv (CPU build), for the real vLLM tests
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check turnrl tests bench
 .venv/bin/ruff format --check turnrl tests bench

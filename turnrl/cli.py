@@ -11,7 +11,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError, OSError)
+from turnrl.types import EngineError
+
+USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError, OSError, EngineError)
 TRAIN_SECTIONS = ("algorithm", "optim", "train", "eval", "warm_start")
 
 

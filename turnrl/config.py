@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from turnrl.rollout.limits import Limits
 from turnrl.types import SamplingParams
@@ -115,9 +124,7 @@ class BalancerConfig(Strict):
     """How long a failed server is left out."""
 
 
-class _ServerEngineConfig(Strict):
-    urls: list[str] = Field(min_length=1)
-    """The servers' base URLs; several go behind a load balancer."""
+class _ClientConfig(Strict):
     api_key_env: str | None = None
     """Name of the environment variable holding the API key."""
     timeout_s: float = Field(300.0, gt=0)
@@ -127,7 +134,12 @@ class _ServerEngineConfig(Strict):
     retry_budget_s: float = Field(600.0, gt=0)
     """Total seconds of retrying for one request."""
     balancer: BalancerConfig = Field(default_factory=BalancerConfig)
-    """Several URLs: how trajectories are spread over them."""
+    """Several servers: how trajectories are spread over them."""
+
+
+class _ServerEngineConfig(_ClientConfig):
+    urls: list[str] = Field(min_length=1)
+    """The servers' base URLs; several go behind a load balancer."""
     ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
     """Register the servers in a Ray registry that other nodes share; off: reached by URL only."""
 
@@ -150,15 +162,45 @@ class SGLangEngineConfig(_ServerEngineConfig):
     """sglang: SGLang's native API, reached by URL."""
 
 
-class VLLMEngineConfig(Strict):
-    """vLLM in this process (``pip install vllm``)."""
+class VLLMEngineConfig(_ClientConfig):
+    """vLLM: servers turnrl starts and stops (default), running servers (``urls``), or in process."""
 
     kind: Literal["vllm"]
-    """vllm: vLLM's AsyncLLMEngine in this process."""
+    """vllm: vLLM servers, token ids in and out, weights updated in place."""
+    urls: list[str] = Field(default_factory=list)
+    """Running vLLM servers (with VLLM_SERVER_DEV_MODE=1 for weight updates); empty: turnrl starts them."""
+    servers: int = Field(1, ge=1)
+    """How many servers turnrl starts on loopback ports (without urls)."""
+    max_model_len: int = Field(4096, ge=16)
+    """Context length of a started server (prompt + response tokens)."""
+    dtype: str = "float32"
+    """Weights' dtype in a started server (bfloat16 on GPUs for speed; float32 matches a CPU trainer)."""
+    kv_cache_gib: int = Field(1, ge=1)
+    """KV cache of a started CPU server, GiB (VLLM_CPU_KVCACHE_SPACE; GPU builds size their own)."""
+    server_args: dict[str, Any] = Field(default_factory=dict)
+    """More flags for a started server, e.g. {max_num_seqs: 64, gpu_memory_utilization: 0.5}."""
+    python: str | None = None
+    """The Python of vLLM's own environment (None: $TURNRL_VLLM_PYTHON or scripts/install_vllm.sh's)."""
+    start_timeout_s: float = Field(900.0, gt=0)
+    """How long started servers may take to become healthy."""
+    weights_dir: str | None = None
+    """Where weight updates are written for the servers to load (a folder they can read; None: a temp one)."""
+    in_process: bool = False
+    """Run vLLM's AsyncLLM inside this process instead (vllm importable here; engine_args apply)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    """vLLM's AsyncEngineArgs (gpu_memory_utilization, tensor_parallel_size...)."""
+    """In process: vLLM's AsyncEngineArgs (gpu_memory_utilization, tensor_parallel_size...)."""
     ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
-    """Engine actors on Ray; off: in this process."""
+    """Engine actors on Ray, each running vLLM in process; off: in this process."""
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> VLLMEngineConfig:
+        if self.in_process and self.urls:
+            raise ValueError("engine.in_process and engine.urls exclude each other")
+        if self.ray.enabled and not self.in_process:
+            raise ValueError(
+                "engine.ray with kind vllm runs vLLM inside each actor: set engine.in_process: true"
+            )
+        return self
 
 
 def _engine_kind(value: Any) -> str:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from turnrl.config import (
@@ -16,7 +19,7 @@ from turnrl.config import (
     SGLangEngineConfig,
     VLLMEngineConfig,
 )
-from turnrl.models import load_model, load_tokenizer, load_vision_processor, resolve_model
+from turnrl.models import load_model, load_tokenizer, load_vision_processor, model_folder, resolve_model
 from turnrl.types import Engine
 
 if TYPE_CHECKING:
@@ -31,24 +34,105 @@ class EngineSetupError(ValueError):
     """An engine that cannot be built from its config; the message says why."""
 
 
-def build_engine(config: RunSections) -> tuple[Engine, Any]:
-    """The engine and the tokenizer for ``config.model``: in this process, or on Ray (``engine.ray``)."""
+Say = Callable[[str], None]  # where a long set-up step reports progress
+
+
+def build_engine(
+    config: RunSections, log_dir: Path | None = None, say: Say | None = None
+) -> tuple[Engine, Any]:
+    """The engine and the tokenizer for ``config.model``: in this process, or on Ray (``engine.ray``).
+
+    Servers turnrl starts (``kind: vllm`` without ``urls``) log into ``log_dir``; ``say`` gets a
+    progress line while they start.
+    """
     if config.engine.ray.enabled:
         return ray_engine(config.model, config.engine)
-    return local_engine(config.model, config.engine)
+    return local_engine(config.model, config.engine, log_dir=log_dir, say=say, seed=config.seed)
 
 
-def local_engine(model: str, e: AnyEngineConfig) -> tuple[Engine, Any]:
+def local_engine(
+    model: str, e: AnyEngineConfig, *, log_dir: Path | None = None, say: Say | None = None, seed: int = 0
+) -> tuple[Engine, Any]:
     """The engine ``e`` describes, in this process (servers: their clients), and the tokenizer."""
     if isinstance(e, HFEngineConfig):
         engine = hf_engine(model, e)
         return engine, engine.tokenizer
     tokenizer = load_tokenizer(model)
-    if isinstance(e, VLLMEngineConfig):
+    if isinstance(e, VLLMEngineConfig) and e.in_process:
         from turnrl.engines.vllm_inproc import VLLMEngine
 
         return VLLMEngine(resolve_model(model).path, **e.engine_args), tokenizer
+    if isinstance(e, VLLMEngineConfig):
+        return vllm_engine(model, e, tokenizer, log_dir=log_dir, say=say, seed=seed), tokenizer
     return server_engine(e, tokenizer), tokenizer
+
+
+def vllm_engine(
+    model: str,
+    e: VLLMEngineConfig,
+    tokenizer: Any,
+    *,
+    log_dir: Path | None = None,
+    say: Say | None = None,
+    seed: int = 0,
+) -> Engine:
+    """Clients for vLLM servers: ``e.urls``, else ``e.servers`` servers started here for ``model``
+    (stopped when the engine closes); several go behind the balancer."""
+    from turnrl.engines.managed import ManagedEngine
+    from turnrl.engines.process import launch_all
+    from turnrl.engines.vllm_server import servers_for
+
+    servers = []
+    urls = list(e.urls)
+    if not urls:
+        folder = model_folder(model)
+        servers = list(
+            servers_for(
+                folder,
+                e.servers,
+                log_dir,
+                python=e.python,
+                max_model_len=e.max_model_len,
+                dtype=e.dtype,
+                kv_cache_gib=e.kv_cache_gib,
+                seed=seed,
+                args=e.server_args,
+            )
+        )
+        started = time.monotonic()
+
+        def waiting(_: float) -> None:
+            if say is not None:
+                say(f"starting {len(servers)} vLLM server(s) for {model}: {time.monotonic() - started:.0f}s")
+
+        launch_all(servers, e.start_timeout_s, waiting)
+        urls = [s.url for s in servers]
+    engine = _vllm_clients(e, tokenizer, urls)
+    return ManagedEngine(engine, servers) if servers else engine
+
+
+def _vllm_clients(e: VLLMEngineConfig, tokenizer: Any, urls: list[str]) -> Engine:
+    """One streaming client per server; several behind the balancer, sharing one weights folder."""
+    from turnrl.engines.balancer import BalancedEngine
+    from turnrl.engines.vllm import VLLMServerEngine
+
+    key = os.environ.get(e.api_key_env) if e.api_key_env else None
+    eos = [i for i in (tokenizer.eos_token_id,) if i is not None]
+    engines: list[Engine] = [
+        VLLMServerEngine(
+            url,
+            eos_token_ids=eos,
+            api_key=key,
+            timeout_s=e.timeout_s,
+            max_retries=e.max_retries,
+            retry_budget_s=e.retry_budget_s,
+            weights_dir=e.weights_dir,
+        )
+        for url in urls
+    ]
+    if len(engines) == 1:
+        return engines[0]
+    return BalancedEngine(engines, **e.balancer.model_dump())
 
 
 def hf_engine(model: str, e: HFEngineConfig | None = None, **overrides: Any) -> HFEngine:

@@ -24,6 +24,7 @@ from turnrl.types import Sample, Trajectory, Turn
 TRAJECTORIES = "trajectories.jsonl"
 TURNS = "turns.jsonl"
 SUMMARY = "summary.json"
+SERVERS = "servers"  # logs of the servers a run starts
 
 
 @dataclass
@@ -55,8 +56,11 @@ def _check_resumable(config: RunConfig, out_dir: Path) -> None:
             raise RunError(f"cannot resume: config key {key!r} differs from the run in {out_dir}")
 
 
-def prepare(config: RunConfig, overwrite: bool = False, resume: bool = False) -> Prepared:
-    """Validate env, data, rewards and output folder, then load the model. Writes nothing."""
+def prepare(
+    config: RunConfig, overwrite: bool = False, resume: bool = False, console: Console | None = None
+) -> Prepared:
+    """Validate env, data, rewards and output folder, then load the model (or start its servers,
+    which log into ``OUT/servers/``). Writes nothing else."""
     entry = resolve_env(config.env.name)
     samples = load_samples(config.data, entry)
     out_dir = Path(config.output_dir)
@@ -70,7 +74,9 @@ def prepare(config: RunConfig, overwrite: bool = False, resume: bool = False) ->
             f"{out_dir / TRAJECTORIES} already exists (pass --resume, --overwrite or set output_dir)"
         )
     env_factory = build_env_factory(config.env, entry)
-    engine, tokenizer = build_engine(config)
+    console = console or Console(stderr=True)
+    with console.status(f"loading {config.model}") as status:
+        engine, tokenizer = build_engine(config, out_dir / SERVERS, say=status.update)
     return Prepared(config, samples, build_spec(config, engine, tokenizer, env_factory), out_dir, resume)
 
 
@@ -171,4 +177,4 @@ def run(
     config: RunConfig, overwrite: bool = False, resume: bool = False, console: Console | None = None
 ) -> dict[str, Any]:
     """Prepare and run."""
-    return asyncio.run(run_prepared(prepare(config, overwrite, resume), console))
+    return asyncio.run(run_prepared(prepare(config, overwrite, resume, console), console))

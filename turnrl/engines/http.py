@@ -12,7 +12,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -102,6 +102,40 @@ class JsonClient:
         """POST ``payload`` and return the decoded JSON answer, retrying transient failures."""
         return await self._request("POST", path, payload, timeout_s)
 
+    async def events(self, path: str, payload: Mapping[str, Any]) -> AsyncIterator[Any]:
+        """POST ``payload`` and yield the decoded ``data:`` events of the server-sent stream.
+
+        Failures before the first event are retried like :meth:`post`; a stream cut after
+        events arrived raises ServerError (what was yielded stays with the caller). The
+        timeout bounds the wait for each event, not the whole stream.
+        """
+        response = await self._request("STREAM", path, payload, None)
+        try:
+            async with asyncio.timeout(None) as deadline:
+                lines = response.aiter_lines()
+                while True:
+                    deadline.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
+                    try:
+                        line = await anext(lines)
+                    except StopAsyncIteration:
+                        return
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    yield json.loads(data)
+        except (TimeoutError, httpx.TimeoutException):
+            raise ServerError(f"POST {self.base_url}{path}: no event for {self.timeout_s:g}s") from None
+        except httpx.TransportError as exc:
+            raise ServerError(
+                f"POST {self.base_url}{path}: stream cut ({type(exc).__name__}: {exc})"
+            ) from None
+        except ValueError:
+            raise RequestError(f"POST {self.base_url}{path}: invalid JSON in an event") from None
+        finally:
+            await response.aclose()
+
     async def aclose(self) -> None:
         """Close the connection pool."""
         await self._client.aclose()
@@ -135,7 +169,14 @@ class JsonClient:
         """One attempt under a hard deadline; transient failures become ``_Retryable``."""
         try:
             async with asyncio.timeout(timeout_s):
-                response = await self._client.request(method, path, json=payload, timeout=timeout_s)
+                if method == "STREAM":  # headers only; the caller reads the body
+                    request = self._client.build_request("POST", path, json=payload, timeout=timeout_s)
+                    response = await self._client.send(request, stream=True)
+                    if response.status_code < 400:
+                        return response
+                    await response.aread()
+                else:
+                    response = await self._client.request(method, path, json=payload, timeout=timeout_s)
         except (TimeoutError, httpx.TimeoutException):
             raise _Retryable(f"timed out after {timeout_s:.3g}s") from None
         except httpx.TransportError as exc:

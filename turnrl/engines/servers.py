@@ -8,23 +8,25 @@ listen on 127.0.0.1 only.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import IO
-
-import httpx
 
 from turnrl.cache import cache_dir
+from turnrl.engines.process import ServerProcess, free_port
 from turnrl.types import EngineError
+
+__all__ = [
+    "LlamaServer",
+    "convert_to_gguf",
+    "find_convert_script",
+    "find_llama_server",
+    "free_port",
+    "llama_cpp_home",
+]
 
 # The sdist whose vendored llama.cpp install_server.sh builds; keep the two in step.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -77,15 +79,10 @@ def convert_to_gguf(model_dir: str | Path, out_file: str | Path | None = None, o
     return out
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """One ``llama-server`` process on 127.0.0.1 serving one GGUF model."""
+
+    name = "llama-server"
 
     def __init__(
         self,
@@ -112,23 +109,15 @@ class LlamaServer:
             raise EngineError(
                 "llama-server not found: run scripts/install_server.sh or set TURNRL_LLAMA_SERVER"
             )
+        super().__init__(port=port, log_path=log_path)
         self.binary = found
         self.model = Path(model)
-        self.port = port or free_port()
         self.parallel = parallel
         self.ctx_size = ctx_size
         self.threads = threads
         self.kv_cache_type = kv_cache_type
         self.flash_attn = flash_attn
         self.extra_args = list(extra_args)
-        self.log_path = Path(log_path) if log_path else None
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        """The server root, ``http://127.0.0.1:PORT``."""
-        return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
         """The command line that starts the server."""
@@ -148,75 +137,3 @@ class LlamaServer:
             *("--no-webui", "--no-warmup"),
             *self.extra_args,
         ]
-
-    def start(self, timeout_s: float = 60.0) -> LlamaServer:
-        """Start the process and wait until ``/health`` answers 200."""
-        if self.alive():
-            return self
-        self._close_log()
-        self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (closed in stop)
-        out = self._log or subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
-        )
-        try:
-            self._wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def alive(self) -> bool:
-        """Whether the process is running."""
-        return self.process is not None and self.process.poll() is None
-
-    def kill(self) -> None:
-        """Kill the process at once (SIGKILL), as a crash would."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
-        self._close_log()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask the process to end (SIGTERM), kill it if it does not; close the log."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._close_log()
-
-    def _close_log(self) -> None:
-        """Close the log file, if one is open."""
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        """Poll ``/health`` until 200; fail early if the process exits."""
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if not self.alive():
-                    code = self.process.returncode if self.process else None
-                    raise EngineError(
-                        f"llama-server exited with code {code} while starting ({self._log_hint()})"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
-                time.sleep(0.1)
-        raise EngineError(f"llama-server not ready after {timeout_s}s ({self._log_hint()})")
-
-    def _log_hint(self) -> str:
-        """Where to look for the server's own messages."""
-        return f"log: {self.log_path}" if self.log_path else "pass log_path to keep its log"

