@@ -165,6 +165,33 @@ def test_train_takes_vllm_and_refuses_engines_whose_weights_it_cannot_update() -
         TrainConfig.model_validate(base | {"engine": {"kind": "vllm", "in_process": True}})
 
 
+def test_lora_pushes_the_whole_merged_model_to_a_server(tiny_qwen3_model: Any, tmp_path: Path) -> None:
+    """vLLM reloads whole checkpoints: the push holds every tensor of the plain model, adapters merged,
+    and the saved file loads back into a plain model with the adapted model's logits."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from turnrl.engines.vllm import WEIGHTS_FILE, save_weights
+    from turnrl.train.config import LoraSettings
+    from turnrl.train.lora import full_weights, wrap_lora
+
+    plain = copy.deepcopy(tiny_qwen3_model)
+    policy = wrap_lora(copy.deepcopy(tiny_qwen3_model), LoraSettings())
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)  # adapters that change the outputs
+    weights = full_weights(policy)
+    assert set(weights) == set(plain.state_dict())
+    saved = load_file(str(save_weights(weights, tmp_path) / WEIGHTS_FILE))
+    plain.load_state_dict(saved, strict=False)  # a tied lm_head is saved once
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert not torch.allclose(plain(ids).logits, tiny_qwen3_model(ids).logits, atol=1e-3)
+        assert torch.allclose(plain(ids).logits, policy(ids).logits, atol=1e-4)
+
+
 def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
     _need_vllm()
     from turnrl.engines.vllm_server import VLLMServer
