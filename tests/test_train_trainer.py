@@ -115,6 +115,27 @@ def test_resume_continues_where_the_run_stopped(tmp_path: Path, tiny_qwen3_dir: 
     assert {s["step"].item() for s in state["optimizer"]["state"].values()} == {2.0}
 
 
+def test_checkpoints_without_optimizer_state_are_smaller_and_still_resume(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    full = config(tmp_path / "full", tiny_qwen3_dir, save_every=1)
+    train(full, console=QUIET)
+    lean = config(tmp_path / "lean", tiny_qwen3_dir, save_every=1, save_optimizer=False, keep_checkpoints=1)
+    train(lean, console=QUIET)
+    lean_out = Path(lean.output_dir) / "checkpoints"
+    assert [p.name for p in lean_out.iterdir()] == ["step_000002"]  # only the newest is kept
+
+    def size(path: Path) -> int:
+        return (path / "optimizer.pt").stat().st_size
+
+    assert size(lean_out / "step_000002") * 10 < size(Path(full.output_dir) / "checkpoints" / "step_000002")
+    longer = lean.model_copy(update={"train": lean.train.model_copy(update={"steps": 3})})
+    train(longer, resume=True, console=QUIET)  # from step 2's model, with fresh AdamW moments
+    assert [r["step"] for r in read_metrics(Path(lean.output_dir) / "metrics.jsonl")] == [0, 1, 2, 3]
+    state = torch.load(lean_out / "step_000003" / "optimizer.pt", weights_only=False)
+    assert state["optimizer"] is None and state["scheduler"]["last_epoch"] == 3
+
+
 def test_step_prompts_are_a_function_of_seed_and_step() -> None:
     samples = [Sample(f"s{i}", [{"role": "user", "content": "x"}]) for i in range(5)]
     epoch = [step_prompts(samples, 2, k, seed=0) for k in range(2)]

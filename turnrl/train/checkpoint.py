@@ -63,8 +63,10 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     keep: int,
+    with_optimizer: bool = True,
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically; keep only the newest ``keep``."""
+    """Write the checkpoint of ``step`` atomically; keep only the newest ``keep``. Without
+    ``with_optimizer`` the optimizer's moments (twice the trained weights' size) are left out."""
     final = out_dir / CHECKPOINTS / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -72,9 +74,8 @@ def save_checkpoint(
     model.save_pretrained(tmp / "model")
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "model")
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt"
-    )
+    optimizer_state = optimizer.state_dict() if with_optimizer else None
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step}))
     shutil.rmtree(final, ignore_errors=True)
@@ -87,9 +88,10 @@ def save_checkpoint(
 def restore_training_state(
     path: Path, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
 ) -> int:
-    """Load the optimizer, scheduler and RNG states of a checkpoint; return its step."""
+    """Load the optimizer (when the checkpoint has it), scheduler and RNG states; return its step."""
     states = torch.load(path / "optimizer.pt", weights_only=False)
-    optimizer.load_state_dict(states["optimizer"])
+    if states["optimizer"] is not None:
+        optimizer.load_state_dict(states["optimizer"])
     scheduler.load_state_dict(states["scheduler"])
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])

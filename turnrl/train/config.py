@@ -110,7 +110,10 @@ class TrainLoopConfig(_Strict):
     micro_batch_tokens: int = Field(4096, ge=1)  # padded tokens per forward/backward
     logprob_chunk: int = Field(256, ge=1)  # positions projected through lm_head at a time
     save_every: int = Field(10, ge=0)  # steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)  # the newest this many are kept
+    save_optimizer: bool = (
+        True  # false: no AdamW moments in checkpoints (a third the size; a resume restarts them)
+    )
     save_rollouts: bool = False  # write every step's trajectories to rollouts/step_K.jsonl
     tracker: Tracker = "none"  # also log to this tracker (it must be installed)
     plot: bool = True  # reward curve PNG at the end (needs matplotlib)

@@ -350,7 +350,8 @@ def _scratch_dir() -> str:
 
 def _save(run: Run, step: int) -> None:
     parts = (run.policy, run.tokenizer, run.optimizer, run.scheduler)
-    save_checkpoint(run.out_dir, step, *parts, run.config.train.keep_checkpoints)
+    loop = run.config.train
+    save_checkpoint(run.out_dir, step, *parts, loop.keep_checkpoints, with_optimizer=loop.save_optimizer)
 
 
 def _due(step: int, every: int, last: int) -> bool:
