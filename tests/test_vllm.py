@@ -218,6 +218,49 @@ def test_a_model_vllm_cannot_load_fails_early_with_its_log_and_no_orphan(tmp_pat
     assert server.process is not None and _running([server.process.pid]) == []
 
 
+def test_ctrl_c_stops_the_servers_turnrl_started(tmp_path: Path) -> None:
+    """``turnrl rollout`` on a vLLM server it starts; SIGINT mid-rollout: exit 130, no vLLM process left."""
+    import signal
+    import time
+
+    _need_vllm()
+    out = tmp_path / "run"
+    cli = [sys.executable, "-m", "turnrl.cli", "rollout", str(ROOT / "examples" / "guess_number.yaml")]
+    cli += ["--set", "engine.kind=vllm", "--set", "engine.max_model_len=2048", "--set", f"output_dir={out}"]
+    proc = subprocess.Popen(cli, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not _started_trajectories(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        servers = _children_running_vllm(proc.pid)
+        assert servers and proc.poll() is None, "the rollout never got going"
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output[-2000:]
+    assert _running(servers) == [], "a vLLM server outlived an interrupted run"
+    assert (out / "servers" / "vllm-0.log").is_file()
+
+
+def _started_trajectories(out: Path) -> bool:
+    """Whether the run has written a trajectory (its server is up and generating)."""
+    path = out / "trajectories.jsonl"
+    return path.is_file() and path.stat().st_size > 0
+
+
+def _children_running_vllm(parent: int) -> list[int]:
+    """Pids of ``parent``'s children that run a vLLM server."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True)
+    found = []
+    for line in out.stdout.splitlines():
+        pid, ppid, args = line.split(None, 2)
+        if int(ppid) == parent and "vllm.entrypoints" in args:
+            found.append(int(pid))
+    return found
+
+
 # ---- one real server -------------------------------------------------------------------------
 
 
