@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference import chat_prompt
 
 from turnrl.app import hf_engine
 from turnrl.engines import HFEngine
@@ -25,14 +26,6 @@ async def engine(tiny_qwen3_model: Any) -> AsyncIterator[HFEngine]:
     """An engine over the shared tiny model."""
     async with HFEngine(tiny_qwen3_model, seed=0) as eng:
         yield eng
-
-
-def chat_prompt(tokenizer: Any, text: str) -> list[int]:
-    """A chat prompt's token ids, ready for the assistant's turn."""
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
-    )
-    return list(ids)
 
 
 def forward_logprobs(model: Any, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:

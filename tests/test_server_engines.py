@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from reference import chat_prompt, max_diff, reference_logprobs
 
 from turnrl.engines.http import RequestError, ServerError
 from turnrl.engines.openai import OpenAIEngine, completion_payload
@@ -417,30 +418,6 @@ def llama_engine(server: Any, closing: list[Any], **kwargs: Any) -> OpenAIEngine
     engine = OpenAIEngine(server.url, dialect="llamacpp", eos_token_ids=QWEN3_EOS_IDS, **options)
     closing.append(engine)
     return engine
-
-
-def chat_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a one-message chat, generation prompt included."""
-    messages = [{"role": "user", "content": text}]
-    return list(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    )
-
-
-def reference_logprobs(
-    model: Any, prompt: list[int], ids: list[int], temperature: float = 1.0
-) -> list[float]:
-    """Logprobs of ``ids`` after ``prompt`` under softmax(logits / T), from a fresh forward pass."""
-    import torch
-
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
-    logprobs = torch.log_softmax(logits / temperature, -1)
-    return [float(logprobs[i, t]) for i, t in enumerate(ids)]
-
-
-def max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 async def test_llamacpp_generates_ids_with_the_logprobs_of_a_forward_pass(

@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from reference import chat_prompt as chat
+from reference import max_diff
+from reference import reference_logprobs as reference
 
 from turnrl.config import RunConfig, VLLMEngineConfig, load_config
 from turnrl.engines.vllm import VLLMServerEngine
@@ -91,25 +94,6 @@ async def client(servers: Any, tokenizer: Any) -> AsyncIterator[VLLMServerEngine
     engine = VLLMServerEngine(servers.servers[0].url, eos_token_ids=[tokenizer.eos_token_id], timeout_s=120)
     yield engine
     await engine.close()
-
-
-def chat(tokenizer: Any, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    return list(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    )
-
-
-def reference(model: Any, prompt: list[int], ids: list[int], temperature: float = 1.0) -> list[float]:
-    """Logprobs of ``ids`` after ``prompt`` under softmax(logits / T), from a fresh forward pass."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
-    logprobs = torch.log_softmax(logits / temperature, -1)
-    return [float(logprobs[i, t]) for i, t in enumerate(ids)]
-
-
-def max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def perturbed(model: Any, scale: float) -> dict[str, torch.Tensor]:

@@ -1,0 +1,30 @@
+"""Helpers the engine tests share: a chat prompt's ids, and logprobs from a fresh forward pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def chat_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a one-message chat, generation prompt included."""
+    messages = [{"role": "user", "content": text}]
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+
+
+def reference_logprobs(
+    model: Any, prompt: list[int], ids: list[int], temperature: float = 1.0
+) -> list[float]:
+    """Logprobs of ``ids`` after ``prompt`` under softmax(logits / T), from a fresh forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / temperature, -1)
+    return [float(logprobs[i, t]) for i, t in enumerate(ids)]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    """The largest absolute difference between two equally long lists."""
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
