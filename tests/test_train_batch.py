@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from turnrl.models import load_model
-from turnrl.train.batch import build_samples, collate, micro_batches
+from turnrl.train.batch import build_samples, collate, micro_batches, unexpected_versions
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.loss import LossInputs, LossOptions, policy_loss
 from turnrl.types import StopReason, Trajectory, Turn
@@ -116,3 +116,13 @@ def test_both_modes_give_the_same_loss_and_gradient(tiny_qwen3_dir: Path) -> Non
         model.zero_grad(set_to_none=True)
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-12)
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-12, rtol=0)
+
+
+def test_tokens_from_an_unexpected_weight_version_refuse_their_trajectory() -> None:
+    fresh, stale, masked = two_turn("g/0"), two_turn("g/1"), two_turn("g/2")
+    fresh.policy_versions = [3, 3, -1, -1, -1, 3, 3, 3]
+    stale.policy_versions = [2, 2, -1, -1, -1, 3, 3, 3]  # the first turn came from version 2
+    masked.policy_versions = [3, 3, -1, -1, -1, 3, 2, 3]  # version 2 only on a masked token
+    assert unexpected_versions([fresh, stale, masked], current=3, max_staleness=0) == [stale]
+    assert unexpected_versions([fresh, stale, masked], current=3, max_staleness=1) == []
+    assert unexpected_versions([fresh], current=2, max_staleness=0) == [fresh]  # newer than served

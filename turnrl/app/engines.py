@@ -143,14 +143,18 @@ def hf_engine(model: str, e: HFEngineConfig | None = None, **overrides: Any) -> 
     e = e or HFEngineConfig()
     spec = resolve_model(model)
     tokenizer = load_tokenizer(spec)
-    kwargs: dict[str, Any] = {
+    kwargs = hf_engine_options(e) | {"vision": load_vision_processor(spec, tokenizer)}
+    return HFEngine(load_model(spec, dtype=e.dtype, device=e.device), tokenizer, **(kwargs | overrides))
+
+
+def hf_engine_options(e: HFEngineConfig) -> dict[str, Any]:
+    """``HFEngine``'s keyword arguments from the ``hf`` engine section."""
+    return {
         "max_batch_size": e.max_batch_size,
         "max_prefill_tokens": e.max_prefill_tokens,
         "prefix_cache_tokens": e.prefix_cache_tokens,
         "num_threads": e.num_threads,
-        "vision": load_vision_processor(spec, tokenizer),
     }
-    return HFEngine(load_model(spec, dtype=e.dtype, device=e.device), tokenizer, **(kwargs | overrides))
 
 
 def server_engine(e: ServerConfig, tokenizer: Any) -> Engine:

@@ -33,8 +33,9 @@ the HTTP requests in flight (closing their connections, which the servers take a
 abort) and each of those ``generate`` calls returns ``Generation([], [], "abort")``: no
 partial tokens come back, so on resume the turn is sampled again from its start. Weight
 updates (:meth:`OpenAIEngine.update_weights`) exist for the ``sglang`` dialect only
-(``/update_weights_from_disk``, a checkpoint path on the server's disk); vLLM's and
-llama-server's OpenAI servers have no such endpoint.
+(``/update_weights_from_disk``, a checkpoint path on the server's disk); for vLLM use
+``engine.kind: vllm`` (:class:`turnrl.engines.vllm.VLLMServerEngine`, in-place reloads);
+llama-server has no such endpoint.
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ class OpenAIEngine:
         if self.dialect != "sglang":
             raise EngineError(
                 f"the {self.dialect} server at {self.base_url} has no weight-update endpoint: restart "
-                "(or reload) it on the new checkpoint, or serve the model with SGLang"
+                "(or reload) it on the new checkpoint, or use engine.kind vllm (vLLM) or sglang"
             )
         path = checkpoint_path(weights, "OpenAIEngine")
         new = self._version + 1 if version is None else version

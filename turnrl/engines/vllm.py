@@ -56,6 +56,13 @@ def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
     return out
 
 
+def scratch_weights_dir() -> Path:
+    """A new folder for weight updates, in shared memory when there is some (the caller removes it)."""
+    shm = Path("/dev/shm")
+    parent = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="turnrl-weights-", dir=parent))
+
+
 class VLLMServerEngine:
     """Generates through one vLLM server, streaming; aborts keep their tokens; weights update in place."""
 
@@ -169,9 +176,7 @@ class VLLMServerEngine:
     def _save(self, weights: Mapping[str, Any]) -> Path:
         """Write a state dict where the server reads it."""
         if self.weights_dir is None:
-            shm = Path("/dev/shm")
-            parent = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-            self.weights_dir = Path(tempfile.mkdtemp(prefix="turnrl-weights-", dir=parent))
+            self.weights_dir = scratch_weights_dir()
             self._own_weights_dir = True
         return save_weights(weights, self.weights_dir)
 

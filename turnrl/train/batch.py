@@ -194,16 +194,14 @@ def step_seed(seed: int, step: int) -> int:
     return zlib.crc32(f"{seed}/step/{step}".encode())
 
 
-def unexpected_versions(trajs: Sequence[Trajectory], current: int, max_staleness: int) -> list[str]:
-    """Why each trajectory with a model token not sampled by an allowed weight version is refused.
-
-    Allowed: ``current - max_staleness`` up to ``current`` (the version the engine serves now).
-    One ``"sample_id#index: versions [...]"`` per refused trajectory.
-    """
+def unexpected_versions(trajs: Sequence[Trajectory], current: int, max_staleness: int) -> list[Trajectory]:
+    """The trajectories with a model token not sampled by an allowed weight version:
+    ``current - max_staleness`` up to ``current`` (the version the engine serves now)."""
     low = current - max_staleness
-    refused = []
-    for traj in trajs:
-        versions = {v for v, m in zip(traj.policy_versions, traj.loss_mask, strict=False) if m}
-        if any(v < low or v > current for v in versions):
-            refused.append(f"{traj.group_id}#{traj.sample_index}: versions {sorted(versions)}")
-    return refused
+    return [
+        traj
+        for traj in trajs
+        if any(
+            (v < low or v > current) for v, m in zip(traj.policy_versions, traj.loss_mask, strict=False) if m
+        )
+    ]

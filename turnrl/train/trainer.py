@@ -21,11 +21,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import os
 import random
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +33,12 @@ import torch
 from rich.console import Console
 from transformers.utils import logging as hf_logging
 
-from turnrl.app.engines import local_engine
+from turnrl.app.engines import hf_engine_options, local_engine
 from turnrl.app.parts import build_env_factory, build_spec, load_samples
 from turnrl.app.run import SERVERS
 from turnrl.config import HFEngineConfig
 from turnrl.engines.hf import HFEngine
-from turnrl.engines.vllm import save_weights
+from turnrl.engines.vllm import save_weights, scratch_weights_dir
 from turnrl.env.registry import resolve_env
 from turnrl.models import ModelSpec, load_model, load_tokenizer, load_vision_processor, resolve_model
 from turnrl.rollout.collector import OnDone, collect
@@ -158,13 +156,7 @@ def _engine(config: TrainConfig, policy: Any, spec: ModelSpec, tokenizer: Any, c
         return engine
     engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, e.dtype))
     return HFEngine(
-        engine_model,
-        tokenizer,
-        max_batch_size=e.max_batch_size,
-        max_prefill_tokens=e.max_prefill_tokens,
-        prefix_cache_tokens=e.prefix_cache_tokens,
-        num_threads=e.num_threads,
-        vision=load_vision_processor(spec, tokenizer),
+        engine_model, tokenizer, vision=load_vision_processor(spec, tokenizer), **hf_engine_options(e)
     )
 
 
@@ -285,11 +277,16 @@ def _on_policy(run: Run, trajs: list[Trajectory]) -> tuple[list[Trajectory], int
     refused = unexpected_versions(trajs, current, run.config.algorithm.max_staleness)
     if not refused:
         return trajs, 0
-    shown = "; ".join(refused[:3]) + (" ..." if len(refused) > 3 else "")
+    shown = "; ".join(
+        f"{t.group_id}#{t.sample_index}: versions {sorted({v for v in t.policy_versions if v >= 0})}"
+        for t in refused[:3]
+    )
     console = run.console or Console(stderr=True)
-    console.print(f"refusing {len(refused)} trajectories not sampled by weight version {current}: {shown}")
-    bad = {r.split(":", 1)[0] for r in refused}
-    return [t for t in trajs if f"{t.group_id}#{t.sample_index}" not in bad], len(refused)
+    more = " ..." if len(refused) > 3 else ""
+    console.print(
+        f"refusing {len(refused)} trajectories not sampled by weight version {current}: {shown}{more}"
+    )
+    return [t for t in trajs if all(t is not r for r in refused)], len(refused)
 
 
 async def evaluate(run: Run, step: int, name: str = "") -> dict[str, float]:
@@ -336,16 +333,9 @@ async def push_weights(run: Run) -> None:
         return
     if run.weights_dir is None:
         chosen = getattr(run.config.engine, "weights_dir", None)
-        run.weights_dir = Path(chosen) if chosen else Path(_scratch_dir())
+        run.weights_dir = Path(chosen) if chosen else scratch_weights_dir()
     save_weights(full_weights(run.policy), run.weights_dir)
     await as_updatable(run.engine).update_weights(run.weights_dir)
-
-
-def _scratch_dir() -> str:
-    """A new folder for weight updates, in shared memory when there is some (removed at the end)."""
-    shm = Path("/dev/shm")
-    parent = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-    return tempfile.mkdtemp(prefix="turnrl-weights-", dir=parent)
 
 
 def _save(run: Run, step: int) -> None:
