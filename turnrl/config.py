@@ -185,6 +185,8 @@ class VLLMEngineConfig(_ClientConfig):
     """How long started servers may take to become healthy."""
     weights_dir: str | None = None
     """Where weight updates are written for the servers to load (a folder they can read; None: a temp one)."""
+    request_params: dict[str, Any] = Field(default_factory=dict)
+    """More fields for every request, e.g. {repetition_penalty: 1.1, min_p: 0.05} (turnrl's own win)."""
     in_process: bool = False
     """Run vLLM's AsyncLLM inside this process instead (vllm importable here; engine_args apply)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)

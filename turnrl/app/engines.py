@@ -127,6 +127,7 @@ def _vllm_clients(e: VLLMEngineConfig, tokenizer: Any, urls: list[str]) -> Engin
             max_retries=e.max_retries,
             retry_budget_s=e.retry_budget_s,
             weights_dir=e.weights_dir,
+            request_params=e.request_params,
         )
         for url in urls
     ]

@@ -77,11 +77,14 @@ class VLLMServerEngine:
         max_retries: int = 3,
         retry_budget_s: float = 600.0,
         weights_dir: str | Path | None = None,
+        request_params: Mapping[str, Any] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         """``base_url`` is the server root; ``weights_dir`` is where a state dict given to
         :meth:`update_weights` is written (a folder the server can read; default: a new temporary
-        folder, in ``/dev/shm`` when there is one)."""
+        folder, in ``/dev/shm`` when there is one); ``request_params`` go with every request
+        (vLLM's sampling fields such as ``repetition_penalty``, ``min_p`` or ``structured_outputs``;
+        the fields turnrl sets itself win)."""
         root = base_url.rstrip("/")
         root = root[: -len("/v1")] if root.endswith("/v1") else root
         retry = RetryPolicy(max_retries=max_retries, budget_s=retry_budget_s)
@@ -91,6 +94,7 @@ class VLLMServerEngine:
         self.model = model
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.request_params = dict(request_params or {})
         self._own_weights_dir = False
         self._version = 0
         self.in_flight = 0  # generations waiting on the server now
@@ -119,7 +123,8 @@ class VLLMServerEngine:
             raise RequestError("VLLMServerEngine sends token ids to /v1/completions, which takes no images")
         if not prompt_ids:
             raise RequestError("empty prompt")
-        body = completion_payload("vllm", prompt_ids, sampling, self.model) | {"stream": True}
+        body = self.request_params | completion_payload("vllm", prompt_ids, sampling, self.model)
+        body["stream"] = True
         ids: list[int] = []
         logprobs: list[float] = []
         reason: str | None = None
