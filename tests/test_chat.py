@@ -124,6 +124,8 @@ def test_classify_kinds() -> None:
     assert classify("a\n", "a") == "whitespace"
     assert classify("<think>\nx\n</think>\n\nA", "A") == "think"
     assert classify("A", "B") == "text"
+    assert classify("\u232a", "\u3009") == "same_text"  # one text under NFC, which tokenizers apply
+    assert classify("\u3009", "\u300a") == "text"
 
 
 TRIMMING = (
@@ -199,3 +201,28 @@ def test_template_that_moves_the_system_prompt_is_reported_unsafe(qwen3_tokenize
         assert "You are a helpful assistant." in result.results[name].diff
         assert any(h.kind == "text" for h in result.results[name].hunks)
     assert "NOT SAFE" in result.text()
+
+
+def test_a_model_spelling_text_in_small_tokens_is_no_mismatch(qwen3_tokenizer: Any) -> None:
+    """A model forced through a grammar spells a tool call in small pieces; the re-render tokenizes
+    the same text canonically, and a token diff aligns the two on pieces they happen to share (a
+    ``"`` here), splitting one re-tokenized span into hunks of different text. The check joins
+    them back: same text, sampled by the model, so no mismatch; a real change still is one."""
+    from turnrl.chat.check import compare
+    from turnrl.chat.template import ChatTemplate
+
+    template = ChatTemplate(qwen3_tokenizer, {})
+    text = '{"name": "lookup", "arguments": {"key": "apple"}}'
+    head = qwen3_tokenizer.encode("<tool_call>\n", add_special_tokens=False)
+    canonical = head + qwen3_tokenizer.encode(text, add_special_tokens=False)
+    # a split found by a random search over single-token pieces
+    pieces = '{"|nam|e|":| |"|lo|oku|p|"|,| "|arg|ume|nts|"|:| {"|k|e|y|"|:| |"a|pp|l|e|"}}'.split("|")  # noqa: SIM905
+    spelled = head + [qwen3_tokenizer.convert_tokens_to_ids(qwen3_tokenizer.tokenize(p))[0] for p in pieces]
+    assert template.decode(spelled) == template.decode(canonical) and spelled != canonical
+    sampled = [0] * len(head) + [1] * (len(spelled) - len(head))
+    result = compare(template, spelled, canonical, "strict", False, sampled)
+    assert result.ok and result.hunks and all(h.kind == "same_text" and h.expected for h in result.hunks)
+    changed = head + qwen3_tokenizer.encode(text.replace("apple", "river"), add_special_tokens=False)
+    assert not compare(template, spelled, changed, "strict", False, sampled).ok
+    unsampled = compare(template, spelled, canonical, "strict", False, [0] * len(spelled))
+    assert not unsampled.ok  # not the model's own choice: the env or the template spelled it so

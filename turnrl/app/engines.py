@@ -19,7 +19,14 @@ from turnrl.config import (
     SGLangEngineConfig,
     VLLMEngineConfig,
 )
-from turnrl.models import load_model, load_tokenizer, load_vision_processor, model_folder, resolve_model
+from turnrl.models import (
+    load_model,
+    load_tokenizer,
+    load_vision_processor,
+    model_folder,
+    resolve_model,
+    stop_token_ids,
+)
 from turnrl.types import Engine
 
 if TYPE_CHECKING:
@@ -107,17 +114,16 @@ def vllm_engine(
 
         launch_all(servers, e.start_timeout_s, waiting)
         urls = [s.url for s in servers]
-    engine = _vllm_clients(e, tokenizer, urls)
+    engine = _vllm_clients(e, stop_token_ids(model, tokenizer), urls)
     return ManagedEngine(engine, servers) if servers else engine
 
 
-def _vllm_clients(e: VLLMEngineConfig, tokenizer: Any, urls: list[str]) -> Engine:
+def _vllm_clients(e: VLLMEngineConfig, eos: list[int], urls: list[str]) -> Engine:
     """One streaming client per server; several behind the balancer, sharing one weights folder."""
     from turnrl.engines.balancer import BalancedEngine
     from turnrl.engines.vllm import VLLMServerEngine
 
     key = os.environ.get(e.api_key_env) if e.api_key_env else None
-    eos = [i for i in (tokenizer.eos_token_id,) if i is not None]
     engines: list[Engine] = [
         VLLMServerEngine(
             url,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from difflib import SequenceMatcher
@@ -13,6 +14,7 @@ from turnrl.chat.template import ChatTemplate
 CheckMode = Literal["strict", "ignore_strippable", "disable"]
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 MAX_DIFF_CHARS = 4000
+MAX_MERGE = 64  # opcodes one re-tokenized span may be split into
 
 
 @dataclass
@@ -59,8 +61,10 @@ def _squash(text: str) -> str:
 
 
 def classify(incremental: str, rerender: str) -> str:
-    """The kind of a difference: same_text, whitespace, think or text."""
-    if incremental == rerender:
+    """The kind of a difference: same_text, whitespace, think or text. Texts equal under Unicode
+    NFC are the same text: tokenizers normalize what they encode (a sampled U+232A comes back as
+    U+3009), so a re-render cannot reproduce such a token the model sampled."""
+    if unicodedata.normalize("NFC", incremental) == unicodedata.normalize("NFC", rerender):
         return "same_text"
     if _squash(incremental) == _squash(rerender):
         return "whitespace"
@@ -89,19 +93,51 @@ def compare(
     if incremental_ids == reference_ids:
         return CheckResult(mode=mode, ok=True)
     matcher = SequenceMatcher(None, incremental_ids, reference_ids, autojunk=False)
+    ops = matcher.get_opcodes()
     hunks = []
-    for op, i1, i2, j1, j2 in matcher.get_opcodes():
-        if op == "equal":
+    k = 0
+    while k < len(ops):
+        if ops[k][0] == "equal":
+            k += 1
             continue
+        end = _merged_end(template, incremental_ids, reference_ids, ops, k, reasoning_rewritten)
+        _, i1, _, j1, _ = ops[k]
+        _, _, i2, _, j2 = ops[end]
         inc, ref = template.decode(incremental_ids[i1:i2]), template.decode(reference_ids[j1:j2])
         kind = classify(inc, ref)
         by_model = sampled is not None and i2 > i1 and all(sampled[i] for i in range(i1, i2))
         expected = (kind == "think" and reasoning_rewritten) or (kind == "same_text" and by_model)
         hunks.append(Hunk(kind, expected, i1, inc, ref))
+        k = end + 1
     result = CheckResult(mode=mode, ok=True, hunks=hunks)
     result.ok = result.mismatches == 0
     result.diff = render_diff(template, incremental_ids, result)
     return result
+
+
+def _merged_end(
+    template: ChatTemplate,
+    incremental_ids: list[int],
+    reference_ids: list[int],
+    ops: Sequence[tuple[str, int, int, int, int]],
+    first: int,
+    reasoning_rewritten: bool,
+) -> int:
+    """The last opcode of the difference starting at ``ops[first]``: itself, or a later one when the
+    span from ``first`` to it is one explained difference (the same text, or only <think> blocks
+    that the template rewrites). A token diff can align the two sides on tokens they happen to
+    share (a ``"`` of two tokenizations of one text, a repeated tool call before and after a
+    rewritten <think> block), which splits one such difference into hunks that each look like
+    different text."""
+    explained = ("same_text", "think") if reasoning_rewritten else ("same_text",)
+    for last in range(first, min(first + MAX_MERGE, len(ops))):
+        if ops[last][0] == "equal":
+            continue
+        i1, j1, i2, j2 = ops[first][1], ops[first][3], ops[last][2], ops[last][4]
+        inc, ref = template.decode(incremental_ids[i1:i2]), template.decode(reference_ids[j1:j2])
+        if classify(inc, ref) in explained:
+            return last
+    return first
 
 
 def render_diff(template: ChatTemplate, incremental_ids: list[int], result: CheckResult) -> str:

@@ -21,6 +21,7 @@ from turnrl.models.loading import (
     load_vision_processor,
     model_folder,
     resolve_model,
+    stop_token_ids,
 )
 from turnrl.models.tiny_vlm import build_tiny_vlm
 
@@ -43,4 +44,5 @@ __all__ = [
     "qwen3_tokenizer_dir",
     "resolve_model",
     "smollm2_gguf_path",
+    "stop_token_ids",
 ]

@@ -170,6 +170,22 @@ def load_model(
     return model.eval()
 
 
+def stop_token_ids(spec: str | ModelSpec, tokenizer: Any) -> list[int]:
+    """The ids a server stops on for this model: the tokenizer's eos, plus the ``eos_token_id`` of
+    the folder's ``generation_config.json`` (vLLM and SGLang stop on those too; Qwen3 lists both
+    ``<|im_end|>`` and ``<|endoftext|>``)."""
+    ids = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+    path = Path(_as_spec(spec).path) / "generation_config.json"
+    if path.is_file():
+        import json
+
+        found = json.loads(path.read_text()).get("eos_token_id")
+        for i in found if isinstance(found, list) else [found]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
 def load_vision_processor(spec: str | ModelSpec, tokenizer: Any) -> VisionProcessor | None:
     """The model's image processor when its folder has one (``preprocessor_config.json``), else None."""
     from turnrl.vision.processor import PREPROCESSOR_CONFIG, VisionProcessor
