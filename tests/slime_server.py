@@ -38,6 +38,8 @@ class ContractSample:
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
+    multimodal_inputs: dict[str, Any] | None = None
+    multimodal_train_inputs: dict[str, Any] | None = None
 
     class Status(Enum):
         PENDING = "pending"
@@ -110,7 +112,8 @@ class SGLangServer:
             stop_token_ids=tuple(p.get("stop_token_ids") or ()),
             seed=p.get("sampling_seed"),
         )
-        gen = self.run(self.engine.generate(body["input_ids"], sampling))
+        images = body.get("image_data") or []  # data URLs, what SGLang takes
+        gen = self.run(self.engine.generate(body["input_ids"], sampling, images))
         if gen.finish_reason == "stop":
             finish: dict[str, Any] = {"type": "stop", "matched": gen.token_ids[-1]}
         elif gen.finish_reason == "length":

@@ -158,6 +158,103 @@ async def test_multi_turn_samples_equal_turnrls_own_trajectories(
             )
 
 
+@pytest.fixture(scope="module")
+def vlm_server() -> Iterator[SGLangServer]:
+    """The SGLang-schema server on the tiny Qwen2-VL (embedded engine), taking ``image_data``."""
+    from turnrl.app import hf_engine
+
+    engine = hf_engine("tiny-qwen2-vl", seed=0)
+    srv = SGLangServer(engine, engine.tokenizer)
+    yield srv
+    srv.close()
+
+
+async def test_vlm_samples_carry_every_image_and_the_inputs_slime_trains_on(
+    vlm_server: SGLangServer, closing: Any
+) -> None:
+    """FrozenLake: a board image in every observation, plus one image of slime's own at the
+    prompt's ``<image>``; the sample equals turnrl's own trajectory of the same episode."""
+    from PIL import Image
+
+    from turnrl.envs.frozen_lake import FrozenLakeEnv
+    from turnrl.integrations.slime import with_image_parts
+    from turnrl.models import load_vision_processor, resolve_model
+
+    folder = resolve_model("tiny-qwen2-vl").path
+    row = FrozenLakeEnv.dataset(size=1, seed=0)[0]
+    picture = Image.new("RGB", (56, 56), (200, 30, 30))
+    prompt = [dict(m) for m in row["prompt"]]
+    prompt[-1]["content"] = "<image>\n" + prompt[-1]["content"]
+    fields = {k: v for k, v in row.items() if k not in ("id", "prompt")}
+    sample = Sample(
+        group_index=0, index=2, prompt=prompt, metadata=fields, multimodal_inputs={"images": [picture]}
+    )
+    env = {"name": "frozen_lake"}
+    args = SimpleNamespace(
+        sglang_router_ip="127.0.0.1",
+        sglang_router_port=vlm_server.port,
+        hf_checkpoint=folder,
+        rollout_max_context_len=None,
+        turnrl_config=None,
+        turnrl={"env": env, "limits": {"max_turns": 3}},
+    )
+    seven = list(range(0, 151_000, 7))  # the random model's turns end at every 7th id
+    start = len(vlm_server.requests)
+    await generate(args, sample, slime_sampling(400, seed=5, stop=seven))
+
+    tokenizer = vlm_server.tokenizer
+    vision = load_vision_processor(folder, tokenizer)
+    assert vision is not None
+    messages = with_image_parts(prompt, [picture])
+    engine = SGLangEngine(f"http://127.0.0.1:{vlm_server.port}", eos_token_ids=[tokenizer.eos_token_id])
+    spec = RolloutSpec(
+        env_factory=env_factory(load_settings(), env),
+        engine=engine,
+        encoder=chat_encoder(tokenizer, {}, vision),
+        sampling=SamplingParams(max_tokens=400, stop_token_ids=tuple(seven), seed=5),
+        limits=Limits(max_turns=3, max_context_tokens=2**62, max_response_tokens=400),
+    )
+    try:
+        ref = await run_trajectory(TurnrlSample("0", messages, metadata=fields), spec, 2)
+    finally:
+        await engine.close()
+    turns = sample.metadata["turnrl"]["num_turns"]
+    assert turns >= 2 and turns == ref.num_turns and ref.metrics["check/ok"]
+    assert sample.tokens == ref.prompt_ids + ref.response_ids and sample.loss_mask == ref.loss_mask
+    assert sample.rollout_log_probs == ref.rollout_logprobs
+    assert sample.multimodal_inputs is not None and sample.multimodal_train_inputs is not None
+    images = sample.multimodal_inputs["images"]
+    assert any(i is picture for i in images) and len(images) == len(ref.images) == 1 + turns  # + boards
+    grid = sample.multimodal_train_inputs["image_grid_thw"]
+    assert grid.tolist() == ref.multimodal_inputs["image_grid_thw"].tolist() and grid.shape[0] == len(images)
+    pixels = sample.multimodal_train_inputs["pixel_values"]
+    assert pixels.shape[0] == int(grid.prod(dim=1).sum())
+    assert sample.tokens.count(vision.image_token_id) == int(grid.prod(dim=1).sum()) // vision.merge_size**2
+    sent = [len(r.get("image_data") or []) for r in vlm_server.requests[start : start + turns]]
+    assert sent == [2 + k for k in range(turns)]  # every turn carries every image so far
+
+
+def test_slime_images_go_where_the_prompt_says_image() -> None:
+    from turnrl.integrations.slime import with_image_parts
+
+    a, b = object(), object()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "<image> vs <image>?"},
+    ]
+    assert with_image_parts(messages, [a, b])[1]["content"] == [
+        {"type": "image", "image": a},
+        {"type": "text", "text": " vs "},
+        {"type": "image", "image": b},
+        {"type": "text", "text": "?"},
+    ]
+    plain = with_image_parts([{"role": "user", "content": "What is it?"}], [a])
+    assert plain[0]["content"] == [{"type": "image", "image": a}, {"type": "text", "text": "What is it?"}]
+    with pytest.raises(ValueError, match="2 <image> placeholders for 1 images"):
+        with_image_parts(messages, [a])
+    assert messages[1]["content"] == "<image> vs <image>?"  # the caller's messages are left alone
+
+
 async def test_the_response_stops_at_slimes_max_new_tokens(
     server: SGLangServer, tiny_qwen3_dir: Path, turnrl_yaml: Path, closing: Any
 ) -> None:

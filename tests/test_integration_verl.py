@@ -56,6 +56,7 @@ class Call:
     prompt_ids: list[int]
     params: dict[str, Any]
     gen: Generation
+    images: int = 0  # images sent with the prompt
 
 
 class HFServerManager:
@@ -90,8 +91,8 @@ class HFServerManager:
             top_k=max(int(p["top_k"]), 0),
             max_tokens=int(p["max_tokens"]),
         )
-        gen = await self.engine.generate(prompt_ids, sampling)
-        self.calls.append(Call(request_id, list(prompt_ids), dict(p), gen))
+        gen = await self.engine.generate(prompt_ids, sampling, image_data or [])
+        self.calls.append(Call(request_id, list(prompt_ids), dict(p), gen, len(image_data or [])))
         if gen.finish_reason == "abort":
             reason = "aborted" if self.style == "vllm" else "abort"
         else:
@@ -268,15 +269,22 @@ async def test_verl_worker_runs_multi_turn_trajectories_with_exact_tokens(
             assert reward == (0.9 ** (model_turns - 1) if stop == StopReason.ENV_DONE else 0.0)
 
 
-def instantiate(verl_config: Any, server: Any, tokenizer: Any, **entry: Any) -> TurnRLAgentLoop:
+def instantiate(
+    verl_config: Any,
+    server: Any,
+    tokenizer: Any,
+    processor: Any = None,
+    model_type: str = "qwen3",
+    **entry: Any,
+) -> TurnRLAgentLoop:
     """The agent loop built the way verl's worker builds it: hydra, from the registry entry."""
     loop = hydra.utils.instantiate(
         config={**_agent_loop_registry[NAME], **entry},
         trainer_config=DictConfigWrap(config=verl_config),
         server_manager=server,
         tokenizer=tokenizer,
-        processor=None,
-        hf_model_type="qwen3",
+        processor=processor,
+        hf_model_type=model_type,
         dataset_cls=RLHFDataset,
         data_config=DictConfigWrap(verl_config.data),
         tools=ToolListWrap([]),
@@ -318,6 +326,60 @@ async def test_the_response_stops_at_verls_response_length(
     tensors = output.as_dict()  # verl's own conversion for its batch
     assert tensors["responses"].dtype == torch.int64 and tensors["prompts"].tolist() == traj.prompt_ids
     assert tensors["rollout_log_probs"].shape == tensors["response_mask"].shape == (len(traj.response_ids),)
+
+
+async def test_images_go_to_verls_servers_with_every_turn_and_into_its_output(verl_config: Any) -> None:
+    """FrozenLake on the tiny Qwen2-VL: an image in verl's raw prompt (as verl's dataset builds it)
+    and a board image in every observation reach the server as ``image_data`` with each turn, and
+    verl's output names them all in ``multi_modal_data``. verl's own processor for a Qwen2-VL
+    model cannot be built on this machine (its video processor needs torchvision, which has no
+    CPU build for this torch), so the loop gets an object with the one part turnrl reads from it,
+    the image processor; verl's worker-side re-processing of the images is not run."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from turnrl.app import hf_engine
+    from turnrl.envs.frozen_lake import FrozenLakeEnv
+
+    seven = list(range(0, 151_000, 7))  # the random model's turns end at every 7th id
+    vlm = hf_engine("tiny-qwen2-vl", seed=0, eos_token_ids=seven)
+    assert vlm.vision is not None
+    server = HFServerManager(vlm)
+    processor = SimpleNamespace(image_processor=vlm.vision.image_processor)
+    env = {"name": "frozen_lake"}
+    loop = instantiate(
+        verl_config,
+        server,
+        vlm.tokenizer,
+        processor,
+        "qwen2_vl",
+        turnrl={"env": env, "limits": {"max_turns": 3}},
+    )
+    row = FrozenLakeEnv.dataset(size=1, seed=0)[0]
+    picture = Image.new("RGB", (56, 56), (200, 30, 30))
+    prompt = [dict(m) for m in row["prompt"]]
+    prompt[-1]["content"] = [
+        {"type": "image", "image": picture},
+        {"type": "text", "text": prompt[-1]["content"]},
+    ]
+    fields = {k: v for k, v in row.items() if k not in ("id", "prompt")}
+    try:
+        output = await loop.run(dict(SAMPLING), raw_prompt=prompt, extra_info=fields)
+    finally:
+        await vlm.close()
+    traj = loop.trajectory
+    assert traj is not None and traj.num_turns >= 2 and traj.metrics["check/ok"], traj and traj.error
+    assert output.multi_modal_data is not None
+    images = output.multi_modal_data["images"]
+    assert images == traj.images and any(i is picture for i in images) and len(images) == 1 + traj.num_turns
+    assert [c.images for c in server.calls] == [2 + k for k in range(traj.num_turns)]  # all so far
+    want = rebuild(server.calls)  # what the server conditioned on, turn after turn
+    assert (want[1], want[2], want[3]) == (traj.response_ids, traj.loss_mask, traj.rollout_logprobs)
+    assert output.prompt_ids == traj.prompt_ids and output.response_ids == traj.response_ids
+    image_tokens = (output.prompt_ids + output.response_ids).count(vlm.vision.image_token_id)
+    grid = traj.multimodal_inputs["image_grid_thw"]
+    assert image_tokens == int(grid.prod(dim=1).sum()) // vlm.vision.merge_size**2
 
 
 async def test_a_prompt_longer_than_verls_prompt_length_is_not_generated_from(

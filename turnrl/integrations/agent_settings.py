@@ -37,6 +37,7 @@ from turnrl.imports import import_object
 from turnrl.rewards import RewardContext, RewardFn, Rewards
 from turnrl.rollout.limits import Limits
 from turnrl.types import Sample, SamplingParams, Trajectory
+from turnrl.vision.processor import VisionProcessor
 
 ENV_FIELD = "turnrl_env"  # a data row's own env: a registered name, module:Class, or {name, kwargs}
 REWARD_SOURCE = "reward_source"  # trajectory.metrics key: reward_fn / env_score / step_rewards
@@ -84,7 +85,7 @@ class AgentSettings(BaseModel):
 _LOCK = threading.Lock()
 _SETTINGS: dict[str, AgentSettings] = {}
 _FACTORIES: dict[str, EnvFactory] = {}
-_ENCODERS: dict[tuple[int, str], tuple[Any, ChatEncoder]] = {}
+_ENCODERS: dict[tuple[int, int, str], tuple[Any, VisionProcessor | None, ChatEncoder]] = {}
 
 
 def plain(value: Any) -> Any:
@@ -160,16 +161,19 @@ def env_factory(settings: AgentSettings, row_env: Any = None) -> EnvFactory:
         return _FACTORIES.setdefault(key, factory)
 
 
-def chat_encoder(tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None) -> ChatEncoder:
-    """One ChatEncoder per (tokenizer, template kwargs) in this process, so each template is probed once."""
+def chat_encoder(
+    tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None, vision: VisionProcessor | None = None
+) -> ChatEncoder:
+    """One ChatEncoder per (tokenizer, template kwargs, image processor) in this process, so each
+    template is probed once; ``vision`` for a vision-language model."""
     kwargs = plain(dict(template_kwargs or {}))
-    key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str))
+    key = (id(tokenizer), id(vision), json.dumps(kwargs, sort_keys=True, default=str))
     with _LOCK:
         cached = _ENCODERS.get(key)
-        if cached is not None and cached[0] is tokenizer:
-            return cached[1]
-        encoder = ChatEncoder(tokenizer, kwargs)
-        _ENCODERS[key] = (tokenizer, encoder)
+        if cached is not None and cached[0] is tokenizer and cached[1] is vision:
+            return cached[2]
+        encoder = ChatEncoder(tokenizer, kwargs, vision)
+        _ENCODERS[key] = (tokenizer, vision, encoder)
         return encoder
 
 

@@ -17,6 +17,11 @@ the sample the way slime's own generate does:
   rewards), else left None for slime's reward model (``--custom-rm-path`` / ``--rm-type``);
 - ``weight_versions``: the server's weight version per model turn; ``metadata["turnrl"]``: stop
   reason, model turns, per-turn rewards and spans, error.
+- for a vision-language model (``args.hf_checkpoint`` has an image processor):
+  ``multimodal_inputs["images"]``, every image of the sequence (prompt, observations, tool
+  results) in order, and ``multimodal_train_inputs``, the processor outputs for them
+  (``pixel_values``, ``image_grid_thw``) that slime's trainer feeds the model; the images go to
+  SGLang with every turn as ``image_data``.
 
 The budget is slime's: ``sampling_params["max_new_tokens"]`` (``--rollout-max-response-len``) bounds
 the whole response, ``args.rollout_max_context_len`` prompt + response. Temperature, top-p, top-k,
@@ -28,7 +33,9 @@ start. Top-p replay data and routed experts are not recorded.
 Settings: ``args.turnrl_config`` (a turnrl YAML) and ``args.turnrl`` (overrides), set through
 slime's ``--custom-config-path`` YAML; per sample, ``metadata["turnrl_env"]`` names its env (see
 ``turnrl.integrations.agent_settings``). ``sample.prompt`` must be chat messages (or a plain string,
-taken as one user message): do not pass ``--apply-chat-template``, turnrl renders the template.
+taken as one user message): do not pass ``--apply-chat-template``, turnrl renders the template. A
+prompt's images come as image parts of its messages, or in ``sample.multimodal_inputs["images"]``
+placed at its ``<image>`` placeholders (before the first user text when it has none).
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from turnrl.integrations.agent_settings import (
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.types import Generation, SamplingParams, StopReason, Trajectory
 from turnrl.types import Sample as TurnrlSample
+from turnrl.vision.processor import VisionProcessor
 
 # slime's sampling params that turnrl sets itself for every turn (the others pass through)
 OWNED = frozenset(
@@ -76,6 +84,8 @@ TIMEOUT_S = 3600.0  # one /generate request
 
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[str, Any] = {}
+_VISION: dict[str, VisionProcessor | None] = {}
+IMAGE_PLACEHOLDER = "<image>"  # where slime's datasets put a prompt's images in the text
 _ENGINES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, SGLangEngine]] = (
     weakref.WeakKeyDictionary()
 )
@@ -99,6 +109,16 @@ def _tokenizer(path: str) -> Any:
 
             _TOKENIZERS[path] = load_tokenizer(path)
         return _TOKENIZERS[path]
+
+
+def _vision(path: str, tokenizer: Any) -> VisionProcessor | None:
+    """The model's image processor (a vision-language model's folder has one), else None."""
+    with _LOCK:
+        if path not in _VISION:
+            from turnrl.models import load_vision_processor
+
+            _VISION[path] = load_vision_processor(path, tokenizer)
+        return _VISION[path]
 
 
 def _engine(url: str, eos: Sequence[int], extra: Mapping[str, Any]) -> SGLangEngine:
@@ -144,10 +164,42 @@ class _VersionRecorder:
 
 
 def _prompt(sample: Any) -> Any:
+    """The sample's chat messages, its ``multimodal_inputs["images"]`` placed as image parts where
+    the text says ``<image>`` (slime's datasets), or before the first user message's text."""
     prompt = sample.prompt
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    images = list((getattr(sample, "multimodal_inputs", None) or {}).get("images") or [])
+    return with_image_parts(messages, images) if images else messages
+
+
+def with_image_parts(messages: Sequence[Mapping[str, Any]], images: Sequence[Any]) -> list[dict[str, Any]]:
+    """``messages`` with ``images`` as ``{"type": "image"}`` parts: each ``<image>`` in a text
+    content takes the next image; without any ``<image>``, all go before the first user text."""
+    out = [dict(m) for m in messages]
+    texts = [i for i, m in enumerate(out) if isinstance(m.get("content"), str)]
+    marked = sum(str(out[i]["content"]).count(IMAGE_PLACEHOLDER) for i in texts)
+    if not marked:
+        first = next((i for i in texts if out[i].get("role") == "user"), None)
+        if first is None:
+            raise ValueError("the prompt has images but no user message with text to put them in")
+        parts = [{"type": "image", "image": image} for image in images]
+        out[first]["content"] = [*parts, {"type": "text", "text": out[first]["content"]}]
+        return out
+    if marked != len(images):
+        raise ValueError(f"the prompt has {marked} {IMAGE_PLACEHOLDER} placeholders for {len(images)} images")
+    pending = iter(images)
+    for i in texts:
+        pieces = str(out[i]["content"]).split(IMAGE_PLACEHOLDER)
+        if len(pieces) == 1:
+            continue
+        content: list[dict[str, Any]] = []
+        for k, text in enumerate(pieces):
+            if k:
+                content.append({"type": "image", "image": next(pending)})
+            if text:
+                content.append({"type": "text", "text": text})
+        out[i]["content"] = content
+    return out
 
 
 def _turnrl_sample(sample: Any) -> TurnrlSample:
@@ -167,6 +219,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     """Run one turnrl trajectory for ``sample`` and fill it in (see the module docstring)."""
     settings = load_settings(getattr(args, "turnrl_config", None), getattr(args, "turnrl", None))
     tokenizer = _tokenizer(str(args.hf_checkpoint))
+    vision = _vision(str(args.hf_checkpoint), tokenizer)
     params = dict(sampling_params)
     budget = int(params["max_new_tokens"])
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
@@ -182,7 +235,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     spec = RolloutSpec(
         env_factory=env_factory(settings, (sample.metadata or {}).get(ENV_FIELD)),
         engine=engine,
-        encoder=chat_encoder(tokenizer, template_kwargs),
+        encoder=chat_encoder(tokenizer, template_kwargs, vision),
         sampling=SamplingParams(
             temperature=float(params.get("temperature", 1.0)),
             top_p=float(params.get("top_p", 1.0)),
@@ -218,6 +271,9 @@ def fill(sample: Any, traj: Trajectory, response: str, weight_versions: list[str
     sample.status = getattr(status, name, None) or status.ABORTED
     sample.reward = computed_reward(traj)
     sample.weight_versions = list(weight_versions)
+    if traj.images:  # every image of the sequence, and the processor outputs slime trains on
+        sample.multimodal_inputs = {"images": list(traj.images)}
+        sample.multimodal_train_inputs = dict(traj.multimodal_inputs) or None
     sample.metadata = {
         **(sample.metadata or {}),
         "turnrl": {

@@ -16,6 +16,12 @@ verl's ``AgentLoopOutput``:
   ``turn_scores`` (env reward per model turn), ``turnrl_stop_reason``, ``turnrl_model_turns``,
   ``turnrl_error`` and, when the servers report them, ``min_global_steps`` / ``max_global_steps``.
 
+Images: with verl's processor of a vision-language model (its ``image_processor`` is all turnrl
+reads), image parts in the row's ``raw_prompt`` (as verl's dataset builds them), in observations and
+in tool results are encoded by turnrl (image tokens expanded), every image so far goes to verl's
+server with each turn as ``image_data`` (PIL images), and the output's ``multi_modal_data`` holds
+``{"images": [...]}``, all of the trajectory's images in order, for verl to re-process for training.
+
 verl's lengths are the budget: the response never exceeds ``rollout.response_length`` (turnrl stops
 the trajectory with ``token_budget``, or ``length`` for one turn, before it would), a prompt longer
 than ``rollout.prompt_length`` is not generated from (the trajectory ends with ``engine_error`` and
@@ -48,6 +54,7 @@ from turnrl.integrations.agent_settings import (
 )
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.types import EngineError, Generation, Sample, SamplingParams, Trajectory
+from turnrl.vision.processor import VisionProcessor
 
 NAME = "turnrl"  # the agent name rows give in their ``agent_name`` field
 _ABORTED = frozenset({"abort", "aborted"})
@@ -103,8 +110,6 @@ class VerlServerEngine:
         session: str | None = None,
     ) -> Generation:
         """One model turn through verl's server manager."""
-        if images:
-            raise EngineError("the verl integration generates from text prompts only")
         if self._calls == 0 and self._max_prompt is not None and len(prompt_ids) > self._max_prompt:
             raise EngineError(
                 f"prompt of {len(prompt_ids)} tokens exceeds verl's rollout.prompt_length={self._max_prompt}"
@@ -113,8 +118,11 @@ class VerlServerEngine:
         params = dict(self._params, max_tokens=sampling.max_tokens, logprobs=True)
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
+        extra: dict[str, Any] = {}
+        if images:  # PIL images, as verl's servers take them (the ids hold the expanded image tokens)
+            extra["image_data"] = [getattr(image, "image", image) for image in images]
         out = await self.server_manager.generate(
-            request_id=self.request_id, prompt_ids=list(prompt_ids), sampling_params=params
+            request_id=self.request_id, prompt_ids=list(prompt_ids), sampling_params=params, **extra
         )
         ids = [int(t) for t in out.token_ids]
         if out.log_probs is None or len(out.log_probs) != len(ids):
@@ -122,10 +130,9 @@ class VerlServerEngine:
         logprobs = [float(x) for x in out.log_probs]
         stop_ids = self._stop_ids | frozenset(sampling.stop_token_ids)
         reason = finish_reason(out.stop_reason, ids, sampling.max_tokens, stop_ids)
-        extra = out.extra_fields or {}
         info: dict[str, Any] = {"request_id": self.request_id, "stop_reason": out.stop_reason}
         gen = finish(ids, logprobs, reason, stop_ids, info, eos_known=bool(self._stop_ids))
-        step = extra.get("global_steps")
+        step = (out.extra_fields or {}).get("global_steps")
         if isinstance(step, int) and not isinstance(step, bool):
             gen.versions = [step] * len(gen.token_ids)
             self.global_steps.append(step)
@@ -180,6 +187,10 @@ class TurnRLAgentLoop(AgentLoopBase):
         self.prompt_length = int(self.rollout_config.prompt_length)
         self.response_length = int(self.rollout_config.response_length)
         self.trajectory: Trajectory | None = None  # the last trajectory run, for inspection
+        image_processor = getattr(self.processor, "image_processor", None)  # a VLM's, from verl
+        self.vision = (
+            VisionProcessor.from_tokenizer(image_processor, self.tokenizer) if image_processor else None
+        )
 
     def _stop_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -200,7 +211,7 @@ class TurnRLAgentLoop(AgentLoopBase):
         spec = RolloutSpec(
             env_factory=env_factory(settings, row.get(ENV_FIELD)),
             engine=engine,
-            encoder=chat_encoder(self.tokenizer, template_kwargs),
+            encoder=chat_encoder(self.tokenizer, template_kwargs, self.vision),
             sampling=SamplingParams(
                 temperature=float(sampling_params.get("temperature", 1.0)),
                 top_p=float(sampling_params.get("top_p", 1.0)),
@@ -244,4 +255,5 @@ class TurnRLAgentLoop(AgentLoopBase):
                 "tool_calls": float(traj.metrics.get("time/env", 0.0)),
             },
             extra_fields=extra,
+            multi_modal_data={"images": list(traj.images)} if traj.images else None,
         )
