@@ -23,8 +23,6 @@ try:  # the real verl package (scripts/setup.sh installs it)
     import hydra
     import numpy as np
     import torch
-    import verl
-    from hydra import compose, initialize_config_dir
     from verl.experimental.agent_loop.agent_loop import (
         AgentLoopBase,
         AgentLoopOutput,
@@ -36,6 +34,7 @@ try:  # the real verl package (scripts/setup.sh installs it)
     from verl.protocol import DataProto
     from verl.utils.dataset.rl_dataset import RLHFDataset
     from verl.workers.rollout.replica import TokenOutput
+    from verl_setup import trainer_config
 except ImportError as exc:  # pragma: no cover - depends on the machine
     if os.environ.get("CI", "").lower() not in ("", "0", "false"):
         raise
@@ -140,19 +139,7 @@ def verl_config(tiny_qwen3_dir: Path, turnrl_yaml: Path, tmp_path_factory: pytes
         f"  turnrl_config: {turnrl_yaml}\n"
         "  turnrl: {limits: {max_turns: 5}}\n"
     )
-    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(
-            config_name="ppo_trainer",
-            overrides=[
-                f"actor_rollout_ref.model.path={tiny_qwen3_dir}",
-                "actor_rollout_ref.rollout.name=vllm",
-                f"actor_rollout_ref.rollout.prompt_length={PROMPT_LEN}",
-                f"actor_rollout_ref.rollout.response_length={RESPONSE_LEN}",
-                "actor_rollout_ref.rollout.calculate_log_probs=true",
-                f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
-            ],
-        )
+    return trainer_config(tiny_qwen3_dir, loops, PROMPT_LEN, RESPONSE_LEN)
 
 
 def rebuild(calls: list[Call]) -> tuple[list[int], list[int], list[int], list[float]]:

@@ -31,10 +31,9 @@ try:  # the real verl package and Ray (scripts/setup.sh installs them)
     import numpy as np
     import ray
     import torch
-    import verl
-    from hydra import compose, initialize_config_dir
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.protocol import DataProto
+    from verl_setup import trainer_config
 
     from turnrl.integrations.verl_servers import server_client, server_handles
 except ImportError as exc:  # pragma: no cover - depends on the machine
@@ -63,19 +62,7 @@ def verl_config(model_dir: str, tmp: Path) -> Any:
         "  _target_: turnrl.integrations.verl.TurnRLAgentLoop\n"
         "  turnrl: {env: {name: guess_number}, limits: {max_turns: 4}, sampling: {max_tokens: 24}}\n"
     )
-    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(
-            config_name="ppo_trainer",
-            overrides=[
-                f"actor_rollout_ref.model.path={model_dir}",
-                "actor_rollout_ref.rollout.name=vllm",
-                f"actor_rollout_ref.rollout.prompt_length={PROMPT_LEN}",
-                f"actor_rollout_ref.rollout.response_length={RESPONSE_LEN}",
-                "actor_rollout_ref.rollout.calculate_log_probs=true",
-                f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
-            ],
-        )
+    return trainer_config(model_dir, loops, PROMPT_LEN, RESPONSE_LEN)
 
 
 def verl_batch(rows: list[dict[str, Any]]) -> Any:
