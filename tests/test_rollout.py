@@ -17,6 +17,7 @@ from turnrl.env.tool_env import ToolEnv
 from turnrl.rewards import RewardContext, Rewards
 from turnrl.rollout.collector import collect, read_trajectories
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+from turnrl.rollout.metrics import summarize
 from turnrl.testing import BrokenResetEnv, EchoEnv, FlakyEnv
 from turnrl.tools import FunctionTool
 from turnrl.tools.builtin import calculator
@@ -103,7 +104,8 @@ async def test_malformed_call_and_tool_exception_are_observations(qwen3_tokenize
     seen = qwen3_tokenizer.decode(engine.prompts[1])
     assert "Error:" in seen.split("<tool_response>")[-1]  # the model saw the parse error
     assert "ZeroDivisionError" in qwen3_tokenizer.decode(engine.prompts[2]).split("<tool_response>")[-1]
-    assert traj.info["num_tool_errors"] >= 1
+    assert traj.info["num_tool_errors"] == 1 and traj.info["num_parse_errors"] == 1  # each counted
+    assert summarize([traj])["tool_parse_errors"] == 1 and summarize([traj])["tool_errors"] == 1
 
 
 @pytest.mark.parametrize(
@@ -152,6 +154,9 @@ async def test_env_retries_and_timeouts_recover(qwen3_tokenizer: Any) -> None:
     spec = spec_for(ScriptedEngine(qwen3_tokenizer, ["a"]), qwen3_tokenizer, hanging, env_timeout_s=0.05)
     traj = await run(spec, prompt)
     assert traj.stop_reason == StopReason.ENV_DONE and traj.metrics["env_retries"] == 1
+    broken = spec_for(ScriptedEngine(qwen3_tokenizer, []), qwen3_tokenizer, BrokenResetEnv)
+    traj = await run(broken, prompt)  # three attempts: the first and two retries, all failed
+    assert traj.metrics["env_failures"] == {"RuntimeError": 3} and traj.metrics["env_retries"] == 2
     always = lambda s: FlakyEnv(s, failures=9, hang=True)  # noqa: E731
     spec = spec_for(ScriptedEngine(qwen3_tokenizer, ["a"]), qwen3_tokenizer, always, env_timeout_s=0.05)
     traj = await run(spec, prompt)

@@ -148,6 +148,7 @@ async def test_malformed_call_becomes_an_error_observation() -> None:
     assert message["role"] == "tool"
     assert message["content"].startswith("Error: invalid JSON in <tool_call>:")
     assert result.info["parse_errors"] and result.info["num_tool_calls"] == 0
+    assert result.info["num_parse_errors"] == 1
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,7 @@ class ToolEnv(Env):
             "tool_calls": [{"name": c.name, "arguments": c.arguments, "id": c.id} for c in parsed.calls],
             "num_tool_calls": len(parsed.calls),
             "num_tool_errors": sum(r.failed for r in results),
+            "num_parse_errors": len(parsed.errors),  # malformed calls, answered with their error
             "parse_errors": list(parsed.errors),
             "tool_metrics": [r.output.metrics for r in results],
         }

@@ -169,6 +169,7 @@ async def _reset(ep: Episode, env: Env, spec: RolloutSpec) -> list[Message]:
     try:
         prompt, retries = await _call_env(env.reset, spec.limits, ep.failures)
     except EnvFailure as exc:
+        ep.env_retries += exc.attempts - 1
         ep.end(StopReason.ENV_ERROR, f"reset: {exc}")
         return list(ep.sample.prompt)
     ep.env_retries += retries

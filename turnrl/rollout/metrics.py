@@ -9,6 +9,8 @@ from typing import Any
 
 from turnrl.types import Trajectory
 
+TOOL_COUNTS = ("num_tool_calls", "num_tool_errors", "num_parse_errors")  # summed over the run
+
 
 def _quantiles(values: Sequence[float]) -> dict[str, float]:
     """Mean, p50, p90, p99 and max of ``values`` (empty: nothing)."""
@@ -53,7 +55,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     by_source: dict[str, list[float]] = {}
     for t in trajs:
         _add(failures, t.metrics.get("env_failures", {}).items())
-        _add(info, ((k, v) for k, v in t.info.items() if k in ("num_tool_calls", "num_tool_errors")))
+        _add(info, ((k, v) for k, v in t.info.items() if k in TOOL_COUNTS))
         by_source.setdefault(t.data_source, []).append(t.reward)
     count = len(trajs)
     return {
@@ -69,6 +71,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         "env_failures/by_kind": dict(sorted(failures.items())),
         "tool_calls": info.get("num_tool_calls", 0),
         "tool_errors": info.get("num_tool_errors", 0),
+        "tool_parse_errors": info.get("num_parse_errors", 0),
         "tokens/model_mean": statistics.fmean(sum(t.loss_mask) for t in trajs),
         "tokens/response_mean": statistics.fmean(len(t.response_ids) for t in trajs),
         "check/mismatched_trajectories": sum(1 for t in trajs if t.metrics.get("check/ok") is False),
