@@ -313,3 +313,22 @@ async def test_tool_output_rewards_are_summed() -> None:
     env = ToolEnv(make_sample(), [reward])
     result = await env.step(call("reward", value=0.5) + call("reward", value=1.5))
     assert result.reward == 2.0
+
+
+async def test_a_huge_tool_result_is_cut_to_the_cap_and_the_cut_is_said() -> None:
+    huge = "A" * 5_000_000 + "B" * 5_000_000  # 10 MB
+
+    @tool
+    def dump() -> str:
+        """Return far too much."""
+        return huge
+
+    env = ToolEnv(make_sample(), [dump, divide], max_output_chars=1000)
+    result = await env.step(call("dump") + call("divide", a=1, b=4))
+    text = result.observation[0]["content"]
+    assert text.startswith("A" * 500) and text.endswith("B" * 500) and len(text) < 1100
+    assert "[... 9999000 characters cut: the output had 10000000, 1000 are shown ...]" in text
+    assert result.observation[1]["content"] == "0.25"  # a short result is left as it is
+    assert result.info["num_truncated_outputs"] == 1 and result.info["num_tool_errors"] == 0
+    uncapped = ToolEnv(make_sample(), [dump], max_output_chars=None)
+    assert (await uncapped.step(call("dump"))).observation[0]["content"] == huge

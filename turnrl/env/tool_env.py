@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Sequence
@@ -45,7 +46,10 @@ class ToolEnv(Env):
         max_parallel_calls: int = 8,
         tool_timeout_s: float | None = 30.0,
         max_calls_per_turn: int = 16,
+        max_output_chars: int | None = 16_000,
     ) -> None:
+        """``max_output_chars`` caps the text of one tool result: a longer one keeps its start and
+        its end, and says in the middle how much was cut (None: no cap)."""
         super().__init__(sample)
         self._tools = select_tools(tools, sample)
         self.tools = [tool.schema for tool in self._tools.values()]
@@ -53,6 +57,7 @@ class ToolEnv(Env):
         self.max_parallel_calls = max_parallel_calls
         self.tool_timeout_s = tool_timeout_s
         self.max_calls_per_turn = max_calls_per_turn
+        self.max_output_chars = max_output_chars
         self.instance_id = f"{sample.id}/{uuid.uuid4().hex}"  # unique per trajectory
         self._created: list[BaseTool] = []
 
@@ -69,6 +74,7 @@ class ToolEnv(Env):
         if not parsed.calls and not parsed.errors:
             return StepResult(observation=None, done=True, stop_reason=StopReason.NO_TOOL_CALL)
         results = await self._run_calls(parsed.calls)
+        cut = [_cap(r, self.max_output_chars) for r in results]
         messages = [
             _tool_message(c.name, c.id, r.output.text, r.output.images)
             for c, r in zip(parsed.calls, results, strict=True)
@@ -79,6 +85,7 @@ class ToolEnv(Env):
             "num_tool_calls": len(parsed.calls),
             "num_tool_errors": sum(r.failed for r in results),
             "num_parse_errors": len(parsed.errors),  # malformed calls, answered with their error
+            "num_truncated_outputs": sum(cut),  # results longer than max_output_chars
             "parse_errors": list(parsed.errors),
             "tool_metrics": [r.output.metrics for r in results],
         }
@@ -163,6 +170,24 @@ def _tool_message(name: str, call_id: str, text: str, images: Sequence[Any] = ()
     if images:
         content = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": text}]
     return {"role": "tool", "name": name, "tool_call_id": call_id, "content": content}
+
+
+def cap_text(text: str, limit: int | None) -> str:
+    """``text`` within ``limit`` characters: its start and its end, the cut said in the middle."""
+    if limit is None or len(text) <= limit:
+        return text
+    head = limit // 2
+    tail = limit - head
+    note = f"\n[... {len(text) - limit} characters cut: the output had {len(text)}, {limit} are shown ...]\n"
+    return text[:head] + note + (text[-tail:] if tail else "")
+
+
+def _cap(result: _CallResult, limit: int | None) -> bool:
+    """Cap the result's text (a new ToolOutput: the tool's own is left alone); whether it was cut."""
+    if limit is None or len(result.output.text) <= limit:
+        return False
+    result.output = dataclasses.replace(result.output, text=cap_text(result.output.text, limit))
+    return True
 
 
 def _error(text: str) -> _CallResult:

@@ -9,7 +9,7 @@ from typing import Any
 
 from turnrl.types import Trajectory
 
-TOOL_COUNTS = ("num_tool_calls", "num_tool_errors", "num_parse_errors")  # summed over the run
+TOOL_COUNTS = ("num_tool_calls", "num_tool_errors", "num_parse_errors", "num_truncated_outputs")
 
 
 def _quantiles(values: Sequence[float]) -> dict[str, float]:
@@ -72,6 +72,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         "tool_calls": info.get("num_tool_calls", 0),
         "tool_errors": info.get("num_tool_errors", 0),
         "tool_parse_errors": info.get("num_parse_errors", 0),
+        "tool_truncated_outputs": info.get("num_truncated_outputs", 0),
         "tokens/model_mean": statistics.fmean(sum(t.loss_mask) for t in trajs),
         "tokens/response_mean": statistics.fmean(len(t.response_ids) for t in trajs),
         "check/mismatched_trajectories": sum(1 for t in trajs if t.metrics.get("check/ok") is False),
