@@ -1,7 +1,10 @@
 """Tool-call parsers: find the calls in a model turn's text. One registry, one class per format.
 
-Every parser ignores calls written inside the reasoning (``<think>...</think>``, or everything before a
-lone ``</think>``) and never raises on malformed calls: each one becomes a line in ``errors``.
+Every parser ignores calls written inside the reasoning (``<think>...</think>``, everything before a
+lone ``</think>``, everything after an unclosed ``<think>``; a reasoning tag inside a call's
+arguments counts as one too, so such a call is not run) and never raises on malformed calls, JSON
+nested too deeply included: each one becomes a line in ``errors``. Parsing is one pass over the
+text, so a model repeating a tag thousands of times costs milliseconds (tests/test_parser_fuzz.py).
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ from typing import Any, ClassVar
 
 from turnrl.tools.base import ParseResult, ToolCall
 
-_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_FUNCTION_BLOCK = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_FUNCTION_TAG = re.compile(r"<function=([^>\n]*)(>|\n|\Z)")
+_PARAMETER_TAG = re.compile(r"<parameter=([^>\n]*)(>|\n|\Z)")
 _PYTHON_TAG = "<|python_tag|>"
 _LLAMA_END_TOKENS = ("<|eom_id|>", "<|eot_id|>")
 
@@ -27,13 +29,34 @@ Found = ToolCall | str
 
 def strip_reasoning(text: str) -> str:
     """Remove the reasoning: ``<think>...</think>`` blocks, text before a lone ``</think>``, and an
-    unclosed ``<think>`` with all that follows."""
-    visible = _THINK_BLOCK.sub("", text)
+    unclosed ``<think>`` with all that follows. Linear in the text (a model repeating ``<think>``
+    thousands of times costs one pass)."""
+    kept: list[str] = []
+    pos = 0
+    while True:
+        start = text.find("<think>", pos)
+        if start < 0:
+            kept.append(text[pos:])
+            break
+        kept.append(text[pos:start])
+        end = text.find("</think>", start + len("<think>"))
+        if end < 0:  # unclosed: the rest is reasoning
+            break
+        pos = end + len("</think>")
+    visible = "".join(kept)
     if "</think>" in visible:
         visible = visible.rsplit("</think>", 1)[1]
-    if "<think>" in visible:
-        visible = visible.split("<think>", 1)[0]
     return visible
+
+
+def _loads(text: str) -> tuple[Any, str | None]:
+    """``json.loads``, or the error: malformed JSON, or JSON nested too deeply to decode."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, str(e)
+    except RecursionError:
+        return None, "nested too deeply"
 
 
 class ToolParser(ABC):
@@ -79,19 +102,23 @@ def get_parser(name: str) -> ToolParser:
 
 
 def _tagged_blocks(visible: str, parse_block: Callable[[str, str], list[Found]]) -> tuple[list[Found], str]:
-    """Split ``visible`` on ``<tool_call>...</tool_call>`` blocks; an unclosed last block is an error."""
+    """Split ``visible`` on ``<tool_call>...</tool_call>`` blocks; an unclosed last block is an error.
+    One pass with ``str.find``: a regex would rescan the tail from every unclosed ``<tool_call>``."""
     found: list[Found] = []
     content: list[str] = []
     pos = 0
-    for match in _TOOL_CALL_BLOCK.finditer(visible):
-        content.append(visible[pos : match.start()])
-        found.extend(parse_block(match.group(1), match.group(0)))
-        pos = match.end()
-    tail = visible[pos:]
-    if "<tool_call>" in tail:
-        tail, unclosed = tail.split("<tool_call>", 1)
-        found.append(f"unclosed <tool_call> tag: {_snippet('<tool_call>' + unclosed)}")
-    content.append(tail)
+    while True:
+        start = visible.find(_OPEN, pos)
+        if start < 0:
+            content.append(visible[pos:])
+            break
+        content.append(visible[pos:start])
+        end = visible.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            found.append(f"unclosed <tool_call> tag: {_snippet(visible[start:])}")
+            break
+        found.extend(parse_block(visible[start + len(_OPEN) : end], visible[start : end + len(_CLOSE)]))
+        pos = end + len(_CLOSE)
     return found, "".join(content)
 
 
@@ -104,10 +131,9 @@ def _call_from_object(obj: Any, raw: str, where: str) -> Found:
         return f'{where} has no "name": {_snippet(raw)}'
     arguments = obj.get("arguments", obj.get("parameters"))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            return f"invalid JSON in the arguments of tool call '{name}': {e}"
+        arguments, error = _loads(arguments) if arguments.strip() else ({}, None)
+        if error:
+            return f"invalid JSON in the arguments of tool call '{name}': {error}"
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
@@ -130,10 +156,9 @@ class HermesParser(ToolParser):
 
     @staticmethod
     def _parse_block(body: str, raw: str) -> list[Found]:
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            return [f"invalid JSON in <tool_call>: {e}"]
+        obj, error = _loads(body)
+        if error:
+            return [f"invalid JSON in <tool_call>: {error}"]
         return [_call_from_object(obj, raw, "<tool_call>")]
 
 
@@ -149,28 +174,70 @@ class Qwen3CoderParser(ToolParser):
         return _tagged_blocks(visible, self._parse_block)
 
     def _parse_block(self, body: str, raw: str) -> list[Found]:
-        functions = list(_FUNCTION_BLOCK.finditer(body))
+        functions = _function_blocks(body)
         if not functions:
             if "<function=" in body:
                 return [f"unclosed <function=...> tag in <tool_call>: {_snippet(body)}"]
             return [f"no <function=NAME> in <tool_call>: {_snippet(body)}"]
-        return [self._call(m.group(1).strip(), m.group(2), raw) for m in functions]
+        return [self._call(name.strip(), inner, raw) for name, inner in functions]
 
     @staticmethod
     def _call(name: str, body: str, raw: str) -> Found:
         if not name:
             return f"<function=> has no name: {_snippet(raw)}"
-        arguments = {m.group(1).strip(): _xml_value(m.group(2)) for m in _PARAMETER.finditer(body)}
-        return ToolCall(name=name, arguments=arguments, id="", raw=raw)
+        return ToolCall(name=name, arguments=_parameters(body), id="", raw=raw)
+
+
+def _tag_at(tag: re.Pattern[str], text: str, start: int) -> tuple[str | None, int]:
+    """The name of the ``<tag=NAME>`` at ``start`` and the index after it; (None, where to look
+    next) when a newline or the end comes before its ``>`` (no such tag starts before that)."""
+    m = tag.match(text, start)
+    assert m is not None  # the pattern matches wherever a tag's opening text is
+    if m.group(2) == ">":
+        return m.group(1), m.end()
+    return None, (m.end() if m.group(2) else len(text))
+
+
+def _function_blocks(body: str) -> list[tuple[str, str]]:
+    """The ``<function=NAME>...</function>`` blocks of a call body as (name, inner text), in order;
+    one pass (a regex would rescan the rest from every unclosed tag)."""
+    blocks: list[tuple[str, str]] = []
+    pos = 0
+    while (start := body.find("<function=", pos)) >= 0:
+        name, pos = _tag_at(_FUNCTION_TAG, body, start)
+        if name is None:
+            continue
+        end = body.find("</function>", pos)
+        if end < 0:
+            break
+        blocks.append((name, body[pos:end]))
+        pos = end + len("</function>")
+    return blocks
+
+
+def _parameters(body: str) -> dict[str, Any]:
+    """``<parameter=P>VALUE</parameter>`` pairs; a value also ends at the next ``<parameter=`` or at
+    the end. One pass: each value's closing tag is looked for only up to the next parameter."""
+    arguments: dict[str, Any] = {}
+    pos = 0
+    while (start := body.find("<parameter=", pos)) >= 0:
+        name, pos = _tag_at(_PARAMETER_TAG, body, start)
+        if name is None:
+            continue
+        following = body.find("<parameter=", pos)
+        limit = following if following >= 0 else len(body)
+        close = body.find("</parameter>", pos, limit)
+        end = close if close >= 0 else limit
+        arguments[name.strip()] = _xml_value(body[pos:end])
+        pos = end + len("</parameter>") if close >= 0 else end
+    return arguments
 
 
 def _xml_value(text: str) -> Any:
     """A parameter value: the text between the tags less one newline each side, JSON-decoded if it can be."""
     text = text.removeprefix("\n").removesuffix("\n")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+    value, error = _loads(text)
+    return text if error else value
 
 
 @register_parser("llama3_json", "llama3", "llama")
@@ -203,8 +270,9 @@ class Llama3JsonParser(ToolParser):
                 return found, body[pos:]
             try:
                 obj, end = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError as e:
-                found.append(f"invalid JSON in tool call: {e}")
+            except (json.JSONDecodeError, RecursionError) as e:
+                reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+                found.append(f"invalid JSON in tool call: {reason}")
                 return found, ""
             found.append(_call_from_object(obj, body[pos:end], "tool call"))
             pos = end
