@@ -343,6 +343,8 @@ async def test_images_go_to_verls_servers_with_every_turn_and_into_its_output(ve
         "qwen2_vl",
         turnrl={"env": env, "limits": {"max_turns": 3}},
     )
+    again = instantiate(verl_config, server, vlm.tokenizer, processor, "qwen2_vl", turnrl={"env": env})
+    assert again.vision is loop.vision  # one per processor: every row's loop shares its encoder
     row = FrozenLakeEnv.dataset(size=1, seed=0)[0]
     picture = Image.new("RGB", (56, 56), (200, 30, 30))
     prompt = [dict(m) for m in row["prompt"]]

@@ -86,6 +86,7 @@ _LOCK = threading.Lock()
 _SETTINGS: dict[str, AgentSettings] = {}
 _FACTORIES: dict[str, EnvFactory] = {}
 _ENCODERS: dict[tuple[int, int, str], tuple[Any, VisionProcessor | None, ChatEncoder]] = {}
+_VISIONS: dict[tuple[int, int], tuple[Any, Any, VisionProcessor]] = {}
 
 
 def plain(value: Any) -> Any:
@@ -159,6 +160,18 @@ def env_factory(settings: AgentSettings, row_env: Any = None) -> EnvFactory:
     factory = build_env_factory(config)
     with _LOCK:
         return _FACTORIES.setdefault(key, factory)
+
+
+def vision_processor(image_processor: Any, tokenizer: Any) -> VisionProcessor:
+    """One VisionProcessor per (image processor, tokenizer) in this process: a trainer hands the same
+    processor to every agent loop, so their chat encoders (and template probes) are shared too."""
+    key = (id(image_processor), id(tokenizer))
+    with _LOCK:
+        cached = _VISIONS.get(key)
+        if cached is None or cached[0] is not image_processor or cached[1] is not tokenizer:
+            cached = (image_processor, tokenizer, VisionProcessor.from_tokenizer(image_processor, tokenizer))
+            _VISIONS[key] = cached
+        return cached[2]
 
 
 def chat_encoder(

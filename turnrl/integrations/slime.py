@@ -83,8 +83,7 @@ FAILED = frozenset({StopReason.ENV_ERROR, StopReason.ENGINE_ERROR, StopReason.IN
 TIMEOUT_S = 3600.0  # one /generate request
 
 _LOCK = threading.Lock()
-_TOKENIZERS: dict[str, Any] = {}
-_VISION: dict[str, VisionProcessor | None] = {}
+_MODELS: dict[str, tuple[Any, VisionProcessor | None]] = {}
 IMAGE_PLACEHOLDER = "<image>"  # where slime's datasets put a prompt's images in the text
 _ENGINES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, SGLangEngine]] = (
     weakref.WeakKeyDictionary()
@@ -102,23 +101,15 @@ def status_name(stop: StopReason) -> str:
     return "ABORTED"
 
 
-def _tokenizer(path: str) -> Any:
+def _model(path: str) -> tuple[Any, VisionProcessor | None]:
+    """The checkpoint's tokenizer and, for a vision-language model, its image processor; read once."""
     with _LOCK:
-        if path not in _TOKENIZERS:
-            from turnrl.models import load_tokenizer
+        if path not in _MODELS:
+            from turnrl.models import load_tokenizer, load_vision_processor
 
-            _TOKENIZERS[path] = load_tokenizer(path)
-        return _TOKENIZERS[path]
-
-
-def _vision(path: str, tokenizer: Any) -> VisionProcessor | None:
-    """The model's image processor (a vision-language model's folder has one), else None."""
-    with _LOCK:
-        if path not in _VISION:
-            from turnrl.models import load_vision_processor
-
-            _VISION[path] = load_vision_processor(path, tokenizer)
-        return _VISION[path]
+            tokenizer = load_tokenizer(path)
+            _MODELS[path] = (tokenizer, load_vision_processor(path, tokenizer))
+        return _MODELS[path]
 
 
 def _engine(url: str, eos: Sequence[int], extra: Mapping[str, Any]) -> SGLangEngine:
@@ -218,8 +209,7 @@ def _turnrl_sample(sample: Any) -> TurnrlSample:
 async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
     """Run one turnrl trajectory for ``sample`` and fill it in (see the module docstring)."""
     settings = load_settings(getattr(args, "turnrl_config", None), getattr(args, "turnrl", None))
-    tokenizer = _tokenizer(str(args.hf_checkpoint))
-    vision = _vision(str(args.hf_checkpoint), tokenizer)
+    tokenizer, vision = _model(str(args.hf_checkpoint))
     params = dict(sampling_params)
     budget = int(params["max_new_tokens"])
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []

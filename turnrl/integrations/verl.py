@@ -51,10 +51,10 @@ from turnrl.integrations.agent_settings import (
     trainer_limits,
     trainer_sample,
     turn_max_tokens,
+    vision_processor,
 )
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.types import EngineError, Generation, Sample, SamplingParams, Trajectory
-from turnrl.vision.processor import VisionProcessor
 
 NAME = "turnrl"  # the agent name rows give in their ``agent_name`` field
 _ABORTED = frozenset({"abort", "aborted"})
@@ -188,9 +188,7 @@ class TurnRLAgentLoop(AgentLoopBase):
         self.response_length = int(self.rollout_config.response_length)
         self.trajectory: Trajectory | None = None  # the last trajectory run, for inspection
         image_processor = getattr(self.processor, "image_processor", None)  # a VLM's, from verl
-        self.vision = (
-            VisionProcessor.from_tokenizer(image_processor, self.tokenizer) if image_processor else None
-        )
+        self.vision = vision_processor(image_processor, self.tokenizer) if image_processor else None
 
     def _stop_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
