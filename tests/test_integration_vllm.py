@@ -60,7 +60,7 @@ def verl_config(model_dir: str, tmp: Path) -> Any:
     loops.write_text(
         "- name: turnrl_guess\n"
         "  _target_: turnrl.integrations.verl.TurnRLAgentLoop\n"
-        "  turnrl: {env: {name: guess_number}, limits: {max_turns: 4}, sampling: {max_tokens: 24}}\n"
+        "  turnrl: {env: {name: guess_number}, limits: {max_turns: 4}, sampling: {max_tokens: 40}}\n"
     )
     return trainer_config(model_dir, loops, PROMPT_LEN, RESPONSE_LEN)
 

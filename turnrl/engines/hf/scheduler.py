@@ -9,6 +9,7 @@ join and leave between steps; asyncio callers only wait on futures, so their loo
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,9 @@ class Scheduler:
         self._closing = False
         self._aborting = False
         self._thread: threading.Thread | None = None
+        # transformers >=5.24 names the KV-cache argument `cache` (`past_key_values` warns, then goes)
+        forward = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
 
     # ---- called from the callers' threads ----
 
@@ -169,7 +173,8 @@ class Scheduler:
             extra = image_kwargs(self.model, self._vision, request, ids)
         if start:
             extra["position_ids"] = torch.arange(start, len(request.prompt_ids), device=ids.device)[None]
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+        extra[self._cache_arg] = cache
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **extra)
         self.prefix_cache.stats["prefilled_tokens"] += ids.shape[1]
         reason = self._sample(request, out.logits[0, -1])
         if reason is not None:
@@ -184,7 +189,8 @@ class Scheduler:
     def _decode(self, batch: Batch) -> None:
         """One forward step for every row; finished rows leave the batch."""
         inputs = batch.step_inputs(self.model.device)
-        out = self.model(**inputs, past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
+        cache = {self._cache_arg: batch.cache}
+        out = self.model(**inputs, **cache, use_cache=True, logits_to_keep=1)
         batch.lengths = [n + 1 for n in batch.lengths]
         keep = []
         for row, request in enumerate(batch.requests):
