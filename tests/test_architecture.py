@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"integrations"},
     {"train"},
-    {"app", "viewer"},
+    {"app", "viewer", "faults"},
     {"distributed"},
     {"config", "models", "envs", "testing", "data"},
     {"rollout"},
@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"vision", "imports", "cache"},
     {"types"},
 ]
-UPPER = {"config", "models", "distributed", "train", "integrations", "cli", "app", "viewer", "envs"}
+UPPER = {"config", "models", "distributed", "train", "integrations", "cli", "app", "viewer", "envs", "faults"}
 CORE = {"rollout", "chat", "engines", "env", "tools", "vision", "types"}
 MAX_FUNCTION_LINES = 80
 

@@ -226,3 +226,17 @@ def test_a_model_spelling_text_in_small_tokens_is_no_mismatch(qwen3_tokenizer: A
     assert not compare(template, spelled, changed, "strict", False, sampled).ok
     unsampled = compare(template, spelled, canonical, "strict", False, [0] * len(spelled))
     assert not unsampled.ok  # not the model's own choice: the env or the template spelled it so
+
+
+def test_the_check_diffs_only_between_the_common_start_and_end() -> None:
+    from difflib import SequenceMatcher
+
+    from turnrl.chat.check import _opcodes
+
+    run = [7] * 5000  # a tool output of one letter: difflib alone is quadratic on it
+    a, b = [1, 2, *run, 3, *run, 4], [1, 2, *run, 5, 6, *run, 4]
+    ops = _opcodes(a, b)
+    rebuilt = [t for tag, i1, i2, j1, j2 in ops for t in (a[i1:i2] if tag == "equal" else b[j1:j2])]
+    assert rebuilt == b and [op[0] for op in ops] == ["equal", "replace", "equal"]
+    small_a, small_b = [1, 2, 3, 4], [1, 9, 3, 4]
+    assert _opcodes(small_a, small_b) == SequenceMatcher(None, small_a, small_b, autojunk=False).get_opcodes()

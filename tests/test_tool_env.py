@@ -196,10 +196,10 @@ async def test_a_tools_own_timeout_error_is_not_reported_as_the_envs() -> None:
 
 async def test_too_many_calls_in_one_turn() -> None:
     env = ToolEnv(make_sample(), [divide], max_calls_per_turn=2)
-    result = await env.step(call("divide", a=1, b=1) * 3)
+    result = await env.step(call("divide", a=1, b=1) * 5)
     contents = [m["content"] for m in result.observation]
-    assert contents[:2] == ["1.0", "1.0"]
-    assert contents[2].startswith("Error: too many tool calls in one turn (max 2)")
+    assert contents == ["1.0", "1.0", "Error: 3 more tool calls in this turn were not run (max 2)"]
+    assert result.info["num_tool_calls"] == 5 and result.info["num_tool_errors"] == 3
 
 
 async def test_lifecycle_rewards_and_tools_kwargs() -> None:

@@ -126,3 +126,30 @@ def test_tokens_from_an_unexpected_weight_version_refuse_their_trajectory() -> N
     assert unexpected_versions([fresh, stale, masked], current=3, max_staleness=0) == [stale]
     assert unexpected_versions([fresh, stale, masked], current=3, max_staleness=1) == []
     assert unexpected_versions([fresh], current=2, max_staleness=0) == [fresh]  # newer than served
+
+
+def test_infrastructure_failures_leave_the_step_and_every_exclusion_is_counted() -> None:
+    from dataclasses import replace
+
+    from turnrl.train.advantages import AdvantageOptions, compute_advantages
+    from turnrl.train.exclusions import exclude_failures, exclusion_metrics
+
+    crashed = replace(two_turn("g/2", reward=0.0), stop_reason=StopReason.ENGINE_ERROR, error="engine: down")
+    group = [two_turn("g/0", 1.0), two_turn("g/1", 0.0), crashed, failed_start()]
+    kept, excluded = exclude_failures(group, keep=False)
+    assert kept == group[:2] and excluded == {"engine_error": 1, "env_error": 1}
+    # the crashed member weighs on nothing: the group's advantages are those of its two others
+    advantages = compute_advantages("grpo", kept, AdvantageOptions())
+    assert advantages == compute_advantages("grpo", group[:2], AdvantageOptions())
+    samples = build_samples("trajectory", kept, advantages)
+    metrics = exclusion_metrics(kept, advantages, samples, excluded)
+    assert metrics["train/excluded/engine_error"] == 1 and metrics["train/excluded/env_error"] == 1
+    assert metrics["train/zero_advantage_groups"] == 0 and metrics["train/groups"] == 1
+    assert exclude_failures(group, keep=True) == (group, {})
+    tied = [two_turn("g/0", 1.0), two_turn("g/1", 1.0)]
+    tied_advantages = compute_advantages("grpo", tied, AdvantageOptions())
+    tied_samples = build_samples("trajectory", tied, tied_advantages)
+    tied_metrics = exclusion_metrics(tied, tied_advantages, tied_samples, exclude_failures(tied, False)[1])
+    assert (
+        tied_metrics["train/zero_advantage_groups"] == 1 and tied_metrics["train/zero_advantage_samples"] == 2
+    )

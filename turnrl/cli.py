@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +40,13 @@ def _fresh(output_dir: str, holds_run: Callable[[Path], bool], console: Console)
     return str(fresh)
 
 
+def _resume_hint(args: argparse.Namespace, output_dir: str, holds_run: Callable[[Path], bool]) -> None:
+    """Remember the command that continues this run, said if it stops early with work on disk."""
+    sets = [s for s in args.set if not s.startswith("output_dir=")] + [f"output_dir={output_dir}"]
+    words = ["turnrl", args.command, args.config, *(w for s in sets for w in ("--set", s)), "--resume"]
+    args.resume_hint = lambda: shlex.join(words) if holds_run(Path(output_dir)) else None
+
+
 def _rollout(args: argparse.Namespace, console: Console) -> int:
     from turnrl.app.run import SUMMARY, TRAJECTORIES, run
     from turnrl.config import load_config
@@ -47,6 +56,7 @@ def _rollout(args: argparse.Namespace, console: Console) -> int:
     if not (args.resume or args.overwrite):
         out = _fresh(config.output_dir, lambda p: (p / TRAJECTORIES).exists(), console)
         config = config.model_copy(update={"output_dir": out})
+    _resume_hint(args, config.output_dir, lambda p: (p / TRAJECTORIES).exists())
     summary = run(config, overwrite=args.overwrite, resume=args.resume, console=console)
     print_summary(summary, console)
     console.print(f"wrote {Path(config.output_dir) / TRAJECTORIES} and {SUMMARY}")
@@ -60,6 +70,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     config = load_train_config(args.config, args.set)
     if not (args.resume or args.overwrite):
         config = config.model_copy(update={"output_dir": _fresh(config.output_dir, holds_run, console)})
+    _resume_hint(args, config.output_dir, holds_run)
     train(config, overwrite=args.overwrite, resume=args.resume, console=console)
     console.print(f"wrote {config.output_dir} (metrics.jsonl, rewards.png, checkpoints)")
     return 0
@@ -167,19 +178,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hint(args: argparse.Namespace) -> str | None:
+    hint = getattr(args, "resume_hint", None)
+    return hint() if hint is not None else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one clear line on bad input, non-zero exit."""
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
+    # SIGTERM (a scheduler, `kill`) stops a run as Ctrl-C does: in-flight work is cancelled, servers
+    # and env workers are stopped, what finished stays on disk.
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
     try:
         return int(args.func(args, console))
     except KeyboardInterrupt:
-        console.print("interrupted; finished trajectories are on disk")
+        hint = _hint(args)
+        console.print("interrupted; what finished is on disk" + (f"; continue with: {hint}" if hint else ""))
         return 130
     except USER_ERRORS as exc:
         if os.environ.get("TURNRL_DEBUG"):
             raise
         print(f"turnrl: error: {exc}", file=sys.stderr)
+        hint = _hint(args)
+        if hint and isinstance(exc, OSError):
+            print(f"turnrl: what finished is on disk; once fixed, continue with: {hint}", file=sys.stderr)
         return 2
 
 

@@ -11,7 +11,7 @@ from turnrl.data import read_rows, to_samples
 from turnrl.env.base import EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.imports import import_object
-from turnrl.models import load_vision_processor
+from turnrl.models import load_vision_processor, vocab_size
 from turnrl.rewards import Rewards
 from turnrl.rollout.loop import RolloutSpec
 from turnrl.types import Engine, Sample
@@ -69,4 +69,5 @@ def build_spec(config: RunSections, engine: Engine, tokenizer: Any, env_factory:
         limits=config.limits,
         check=config.chat.check,
         rewards=build_rewards(config),
+        vocab_size=vocab_size(config.model),
     )

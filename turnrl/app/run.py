@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,11 +74,28 @@ def prepare(
         raise RunError(
             f"{out_dir / TRAJECTORIES} already exists (pass --resume, --overwrite or set output_dir)"
         )
+    check_writable(out_dir)
     env_factory = build_env_factory(config.env, entry)
     console = console or Console(stderr=True)
     with console.status(f"loading {config.model}") as status:
         engine, tokenizer = build_engine(config, out_dir / SERVERS, say=status.update)
     return Prepared(config, samples, build_spec(config, engine, tokenizer, env_factory), out_dir, resume)
+
+
+def check_writable(out_dir: Path) -> None:
+    """Fail now, before any model loads, when the output folder cannot be written."""
+    made = [p for p in (out_dir, *out_dir.parents) if not p.exists()]  # left as they were found
+    probe = out_dir / ".turnrl-write-probe"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise RunError(f"cannot write to the output folder {out_dir}: {exc.strerror or exc}") from None
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _progress(console: Console) -> Progress:

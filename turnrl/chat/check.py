@@ -73,6 +73,28 @@ def classify(incremental: str, rerender: str) -> str:
     return "text"
 
 
+def _opcodes(a: list[int], b: list[int]) -> list[tuple[str, int, int, int, int]]:
+    """difflib's opcodes of ``a`` against ``b``, diffing only what lies between their common start
+    and end: the differences of a trajectory are local, and difflib (without autojunk, which would
+    hide repeated tokens) is quadratic on long repetitive spans such as a tool output of one letter."""
+    start = 0
+    limit = min(len(a), len(b))
+    while start < limit and a[start] == b[start]:
+        start += 1
+    end = 0
+    while end < limit - start and a[len(a) - 1 - end] == b[len(b) - 1 - end]:
+        end += 1
+    middle = SequenceMatcher(None, a[start : len(a) - end], b[start : len(b) - end], autojunk=False)
+    ops: list[tuple[str, int, int, int, int]] = [
+        (tag, i1 + start, i2 + start, j1 + start, j2 + start) for tag, i1, i2, j1, j2 in middle.get_opcodes()
+    ]
+    if start:
+        ops.insert(0, ("equal", 0, start, 0, start))
+    if end:
+        ops.append(("equal", len(a) - end, len(a), len(b) - end, len(b)))
+    return ops
+
+
 def compare(
     template: ChatTemplate,
     incremental_ids: list[int],
@@ -92,8 +114,7 @@ def compare(
         return CheckResult(mode=mode, ok=True)
     if incremental_ids == reference_ids:
         return CheckResult(mode=mode, ok=True)
-    matcher = SequenceMatcher(None, incremental_ids, reference_ids, autojunk=False)
-    ops = matcher.get_opcodes()
+    ops = _opcodes(incremental_ids, reference_ids)
     hunks = []
     k = 0
     while k < len(ops):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.env.base import Env
+from turnrl.env.caps import cap_text
 from turnrl.tools.base import BaseTool, ToolArgumentError, ToolCall, ToolOutput, as_tool_output
 from turnrl.tools.parsers import ToolParser, get_parser
 from turnrl.types import Message, Sample, StepResult, StopReason, Trajectory
@@ -73,17 +74,23 @@ class ToolEnv(Env):
         parsed = self.parser.parse(action)
         if not parsed.calls and not parsed.errors:
             return StepResult(observation=None, done=True, stop_reason=StopReason.NO_TOOL_CALL)
-        results = await self._run_calls(parsed.calls)
+        allowed, skipped = parsed.calls[: self.max_calls_per_turn], parsed.calls[self.max_calls_per_turn :]
+        results = await self._run_calls(allowed)
         cut = [_cap(r, self.max_output_chars) for r in results]
         messages = [
             _tool_message(c.name, c.id, r.output.text, r.output.images)
-            for c, r in zip(parsed.calls, results, strict=True)
+            for c, r in zip(allowed, results, strict=True)
         ]
+        if skipped:  # one message for all of them: 1,000 calls must not make 1,000 observations
+            limit = (
+                f"{len(skipped)} more tool calls in this turn were not run (max {self.max_calls_per_turn})"
+            )
+            messages.append(_tool_message(skipped[0].name, skipped[0].id, f"Error: {limit}"))
         messages += [_tool_message("", f"error_{i}", f"Error: {e}") for i, e in enumerate(parsed.errors)]
         info = {
             "tool_calls": [{"name": c.name, "arguments": c.arguments, "id": c.id} for c in parsed.calls],
             "num_tool_calls": len(parsed.calls),
-            "num_tool_errors": sum(r.failed for r in results),
+            "num_tool_errors": sum(r.failed for r in results) + len(skipped),
             "num_parse_errors": len(parsed.errors),  # malformed calls, answered with their error
             "num_truncated_outputs": sum(cut),  # results longer than max_output_chars
             "parse_errors": list(parsed.errors),
@@ -117,11 +124,7 @@ class ToolEnv(Env):
     async def _run_calls(self, calls: list[ToolCall]) -> list[_CallResult]:
         """Run the calls concurrently, at most ``max_parallel_calls`` at a time, results in call order."""
         semaphore = asyncio.Semaphore(self.max_parallel_calls)
-        allowed = calls[: self.max_calls_per_turn]
-        results = await asyncio.gather(*(self._run_call(call, semaphore) for call in allowed))
-        skipped = calls[self.max_calls_per_turn :]
-        limit = f"too many tool calls in one turn (max {self.max_calls_per_turn}); this one was not run"
-        return [*results, *(_error(f"Error: {limit}") for _ in skipped)]
+        return list(await asyncio.gather(*(self._run_call(call, semaphore) for call in calls)))
 
     async def _run_call(self, call: ToolCall, semaphore: asyncio.Semaphore) -> _CallResult:
         """Run one call; every failure becomes an error text for the model."""
@@ -170,16 +173,6 @@ def _tool_message(name: str, call_id: str, text: str, images: Sequence[Any] = ()
     if images:
         content = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": text}]
     return {"role": "tool", "name": name, "tool_call_id": call_id, "content": content}
-
-
-def cap_text(text: str, limit: int | None) -> str:
-    """``text`` within ``limit`` characters: its start and its end, the cut said in the middle."""
-    if limit is None or len(text) <= limit:
-        return text
-    head = limit // 2
-    tail = limit - head
-    note = f"\n[... {len(text) - limit} characters cut: the output had {len(text)}, {limit} are shown ...]\n"
-    return text[:head] + note + (text[-tail:] if tail else "")
 
 
 def _cap(result: _CallResult, limit: int | None) -> bool:

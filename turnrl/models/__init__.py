@@ -22,6 +22,7 @@ from turnrl.models.loading import (
     model_folder,
     resolve_model,
     stop_token_ids,
+    vocab_size,
 )
 from turnrl.models.tiny_vlm import build_tiny_vlm
 
@@ -45,4 +46,5 @@ __all__ = [
     "resolve_model",
     "smollm2_gguf_path",
     "stop_token_ids",
+    "vocab_size",
 ]

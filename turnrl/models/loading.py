@@ -186,6 +186,20 @@ def stop_token_ids(spec: str | ModelSpec, tokenizer: Any) -> list[int]:
     return ids
 
 
+def vocab_size(spec: str | ModelSpec) -> int | None:
+    """How many token ids the model can sample: its ``config.json``'s ``vocab_size`` (a VLM's
+    ``text_config``'s), or None when the folder has no config (a GGUF, a hub id)."""
+    ms = _as_spec(spec)
+    path = Path(ms.path) / "config.json"
+    if ms.gguf_file or not path.is_file():
+        return None
+    import json
+
+    config = json.loads(path.read_text())
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def load_vision_processor(spec: str | ModelSpec, tokenizer: Any) -> VisionProcessor | None:
     """The model's image processor when its folder has one (``preprocessor_config.json``), else None."""
     from turnrl.vision.processor import PREPROCESSOR_CONFIG, VisionProcessor

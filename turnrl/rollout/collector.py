@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -96,13 +97,25 @@ class JsonlWriter:
 
     def write_record(self, record: dict[str, Any]) -> None:
         """Append one JSON record as a single write."""
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._file.flush()
-        if self.fsync:
-            os.fsync(self._file.fileno())
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", encoding="utf-8")
+            self._file.write(line)
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+        except OSError as exc:  # a full disk, a folder gone: say which file, keep what is written
+            self._abandon()
+            raise OSError(exc.errno, f"cannot write {self.path}: {exc.strerror or exc}") from exc
+
+    def _abandon(self) -> None:
+        """Drop the file after a failed write (its buffer would fail again on close)."""
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
 
     def close(self) -> None:
         """Close the file."""

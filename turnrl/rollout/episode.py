@@ -36,6 +36,7 @@ class Episode:
         default_factory=lambda: {"time/generate": 0.0, "time/env": 0.0, "time/encode": 0.0}
     )
     env_retries: int = 0  # failed env attempts that a retry recovered or that ended the episode
+    observations_truncated: int = 0  # observation texts cut to limits.max_observation_chars
     last_token_text: str | None = (
         None  # the last model turn's final token as text (None after an observation)
     )
@@ -78,7 +79,12 @@ class Episode:
             messages=rec.messages or list(self.sample.prompt),
             turn_rewards=self.turn_rewards,
             num_turns=rec.num_model_turns,
-            metrics={"env_retries": self.env_retries, "env_failures": self.failures, **self.timings},
+            metrics={
+                "env_retries": self.env_retries,
+                "env_failures": self.failures,
+                "observations/truncated": self.observations_truncated,
+                **self.timings,
+            },
             sample_index=self.index,
             error=self.error,
             info=self.info,

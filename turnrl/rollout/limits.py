@@ -22,3 +22,5 @@ class Limits:
     """Failed env steps retried before the trajectory ends with env_error."""
     env_timeout_s: Annotated[float | None, Field(gt=0)] = 60.0
     """One env step (or reset) longer than this is a failure (None: no timeout)."""
+    max_observation_chars: Annotated[int | None, Field(ge=64)] = 200_000
+    """An observation text longer than this keeps its start and end, the cut said between (None: no cap)."""

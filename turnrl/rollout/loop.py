@@ -14,6 +14,7 @@ from typing import Any, cast
 from turnrl.chat.check import CheckMode
 from turnrl.chat.encoder import ChatEncoder, ConversationEncoder
 from turnrl.env.base import Env, EnvFactory
+from turnrl.env.caps import cap_messages
 from turnrl.rewards import RewardContext, Rewards
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.episode import Episode, describe
@@ -47,6 +48,7 @@ class RolloutSpec:
     on_turn: TurnHook | None = None  # called after every turn is appended (per-turn logging)
     control: RolloutControl | None = None  # pause/resume/stop for partial rollout
     mask_offpolicy: bool = False  # mask (0) model tokens sampled by an older policy than the newest
+    vocab_size: int | None = None  # sampled ids at or above it end the trajectory as engine_error
 
 
 TurnHook = Callable[[Sample, int, int, Turn], None]
@@ -61,17 +63,42 @@ class EnvFailure(Exception):
         self.attempts = attempts
 
 
-async def _call_env(coro_fn: Any, limits: Limits, failures: dict[str, int]) -> tuple[Any, int]:
-    """Call an env coroutine with a timeout, retrying failures; return (result, retries).
+class BadReturn(TypeError):
+    """An env method returned something of the wrong type."""
 
-    Every failure is counted in ``failures`` by kind (``timeout`` or the exception's type).
+
+def _step_result(value: Any) -> StepResult:
+    if not isinstance(value, StepResult):
+        raise BadReturn(f"step returned {type(value).__name__}, expected a StepResult")
+    return value
+
+
+def _prompt(value: Any) -> list[Message]:
+    if not isinstance(value, list | tuple) or not all(isinstance(m, dict) for m in value):
+        raise BadReturn(f"reset returned {type(value).__name__}, expected a list of messages")
+    for m in value:
+        if not isinstance(m.get("content"), str | list | None):
+            kind = type(m.get("content")).__name__
+            raise BadReturn(f"reset returned a message whose content is {kind}, expected text or parts")
+    return list(value)
+
+
+async def _call_env(
+    coro_fn: Any, limits: Limits, failures: dict[str, int], check: Callable[[Any], Any]
+) -> tuple[Any, int]:
+    """Call an env coroutine with a timeout, retrying failures; return (checked result, retries).
+
+    Every failure is counted in ``failures`` by kind (``timeout``, ``bad_return`` or the
+    exception's type).
     """
     errors: list[str] = []
     for attempt in range(limits.max_env_retries_per_turn + 1):
         try:
-            return await asyncio.wait_for(coro_fn(), limits.env_timeout_s), attempt
+            return check(await asyncio.wait_for(coro_fn(), limits.env_timeout_s)), attempt
         except TimeoutError:
             kind, message = "timeout", f"timed out after {limits.env_timeout_s}s"
+        except BadReturn as exc:
+            kind, message = "bad_return", str(exc)
         except Exception as exc:
             kind, message = type(exc).__name__, f"{type(exc).__name__}: {exc}"
         failures[kind] = failures.get(kind, 0) + 1
@@ -127,7 +154,7 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
     except Exception as exc:  # a bug in turnrl or in a hook ends this trajectory only
         return ep.fail(StopReason.INTERNAL_ERROR, f"internal: {describe(exc)}")
     finally:
-        await _close(env)
+        await _close(env, spec.limits.env_timeout_s)
 
 
 async def _episode(ep: Episode, env: Env, spec: RolloutSpec) -> Trajectory:
@@ -167,13 +194,15 @@ async def _episode(ep: Episode, env: Env, spec: RolloutSpec) -> Trajectory:
 async def _reset(ep: Episode, env: Env, spec: RolloutSpec) -> list[Message]:
     """The env's prompt; on failure the sample's, with the episode ended as env_error."""
     try:
-        prompt, retries = await _call_env(env.reset, spec.limits, ep.failures)
+        prompt, retries = await _call_env(env.reset, spec.limits, ep.failures, _prompt)
     except EnvFailure as exc:
         ep.env_retries += exc.attempts - 1
         ep.end(StopReason.ENV_ERROR, f"reset: {exc}")
         return list(ep.sample.prompt)
     ep.env_retries += retries
-    return list(prompt)
+    prompt, cut = cap_messages(prompt, spec.limits.max_observation_chars)
+    ep.observations_truncated += cut
+    return prompt
 
 
 async def _model_turn(ep: Episode, spec: RolloutSpec, conv: ConversationEncoder) -> Turn | None:
@@ -190,6 +219,10 @@ async def _model_turn(ep: Episode, spec: RolloutSpec, conv: ConversationEncoder)
         ep.end(StopReason.ENGINE_ERROR, f"engine: {describe(exc)}")
         return None
     seconds = ep.clock("time/generate", t0)
+    bad = _out_of_vocab(gen.token_ids, spec.vocab_size)
+    if bad is not None:
+        ep.end(StopReason.ENGINE_ERROR, f"engine: sampled token id {bad} outside the vocabulary")
+        return None
     text, ep.last_token_text = conv.assistant_text(gen.token_ids)
     turn = ep.record.add_model(gen, text, seconds, _versions(gen, spec.control))
     if gen.finish_reason == "stop":
@@ -202,11 +235,17 @@ async def _model_turn(ep: Episode, spec: RolloutSpec, conv: ConversationEncoder)
     return None
 
 
+def _out_of_vocab(ids: Sequence[int], vocab_size: int | None) -> int | None:
+    """The first id no model of ``vocab_size`` can sample (negative, or past the vocabulary)."""
+    limit = vocab_size if vocab_size is not None else 1 << 31
+    return next((t for t in ids if not 0 <= t < limit), None)
+
+
 async def _env_step(ep: Episode, env: Env, spec: RolloutSpec, turn: Turn) -> StepResult | None:
     """The env's answer to a model turn, recorded on the turn; None when the env failed for good."""
     t0 = time.perf_counter()
     try:
-        result, retries = await _call_env(lambda: env.step(turn.text), spec.limits, ep.failures)
+        result, retries = await _call_env(lambda: env.step(turn.text), spec.limits, ep.failures, _step_result)
     except EnvFailure as exc:
         ep.record.messages.append(_assistant_message(turn.text, None))
         ep.env_retries += exc.attempts - 1
@@ -228,7 +267,11 @@ def _observe(
     """Append the observation's delta tokens, or end the episode (bad observation, no budget)."""
     t0 = time.perf_counter()
     try:
-        obs = conv.observation(env.format_observation(result.observation), ep.last_token_text)
+        messages = env.format_observation(result.observation)
+        messages, cut = cap_messages(messages, spec.limits.max_observation_chars)
+        if cut:
+            ep.observations_truncated += cut
+        obs = conv.observation(messages, ep.last_token_text)
     except Exception as exc:  # a bad observation ends this trajectory, not the run
         ep.end(StopReason.ENV_ERROR, f"observation: {describe(exc)}")
         return
@@ -318,9 +361,10 @@ def _notify(spec: RolloutSpec, ep: Episode) -> None:
         record.reported += 1
 
 
-async def _close(env: Env) -> None:
-    with contextlib.suppress(Exception):  # closing must never lose a finished trajectory
-        await env.close()
+async def _close(env: Env, timeout_s: float | None) -> None:
+    """Close the env; an error or a hang past ``timeout_s`` never loses a finished trajectory."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(env.close(), timeout_s)
 
 
 def _check_messages(messages: list[Message]) -> list[Message]:

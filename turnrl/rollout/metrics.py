@@ -35,6 +35,15 @@ def _add(counter: Counter[str], items: Iterable[tuple[str, int]]) -> None:
         counter[key] += int(value)
 
 
+def error_kind(traj: Trajectory) -> str:
+    """What kind of error ended ``traj``: its stop reason, where it failed, and the exception's type
+    when the error names one (``engine_error/engine/ServerError``, ``env_error/step``)."""
+    where, _, rest = (traj.error or "").partition(": ")
+    kind = f"{traj.stop_reason.value}/{where}"
+    exc = rest.partition(":")[0]
+    return f"{kind}/{exc}" if exc.isidentifier() else kind
+
+
 def _turn_timings(trajs: Sequence[Trajectory]) -> dict[str, dict[str, float]]:
     """Per-turn seconds by phase (generate, env, encode) across all turns."""
     phases: dict[str, list[float]] = {}
@@ -77,7 +86,9 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         "tokens/response_mean": statistics.fmean(len(t.response_ids) for t in trajs),
         "check/mismatched_trajectories": sum(1 for t in trajs if t.metrics.get("check/ok") is False),
         "time/turn_seconds": _turn_timings(trajs),
+        "errors/by_kind": dict(sorted(Counter(error_kind(t) for t in trajs if t.error).items())),
         "errors/top": dict(Counter(t.error for t in trajs if t.error).most_common(3)),
+        "observations/truncated": sum(int(t.metrics.get("observations/truncated", 0)) for t in trajs),
     }
 
 

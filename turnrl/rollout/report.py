@@ -26,6 +26,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         "turns/histogram",
         "env_failures/by_kind",
         "reward/by_data_source",
+        "errors/by_kind",
         "errors/top",
     ):
         if summary.get(key):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import inspect
 import json
 import re
+import threading
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -262,7 +265,7 @@ class FunctionTool(BaseTool):
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**call_kwargs)
         else:
-            result = await asyncio.to_thread(self.fn, **call_kwargs)
+            result = await in_daemon_thread(self.fn, call_kwargs)
             if inspect.isawaitable(result):
                 result = await result
         return as_tool_output(result)
@@ -300,6 +303,34 @@ class FunctionTool(BaseTool):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped function directly."""
         return self.fn(*args, **kwargs)
+
+
+async def in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """``fn(**kwargs)`` in a thread of its own that never holds up the process: a tool that blocks
+    past its timeout is left behind (its result dropped) instead of keeping ``asyncio.run``, and the
+    interpreter, waiting at exit as the default executor's threads do."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = context.run(fn, **kwargs), None
+        except BaseException as exc:  # handed to the caller, whatever it is
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, name=f"tool {_fn_name(fn)}", daemon=True).start()
+    return await future
 
 
 def _quoted(names: Iterable[str]) -> str:

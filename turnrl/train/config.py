@@ -39,6 +39,7 @@ class AlgorithmConfig(_Strict):
     kl_coef: float = Field(0.0, ge=0)  # > 0 loads a frozen reference model
     recompute_old_logprobs: bool = True  # else the rollout's logprobs are the PPO behaviour policy
     max_staleness: int = Field(0, ge=0)  # train on tokens sampled up to this many weight versions back
+    train_on_failures: bool = False  # train on trajectories an engine, env or internal error ended
 
     @field_validator("advantage")
     @classmethod

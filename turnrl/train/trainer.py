@@ -55,6 +55,7 @@ from turnrl.train.batch import (
 )
 from turnrl.train.checkpoint import plan_output, restore_training_state, save_checkpoint, start_output
 from turnrl.train.config import TrainConfig
+from turnrl.train.exclusions import exclude_failures, exclusion_metrics
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.lora import full_weights, is_lora, saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
@@ -248,13 +249,16 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     )
     trajs.sort(key=lambda t: (t.group_id, t.sample_index))
     t1 = time.perf_counter()
+    metrics = rollout_metrics(trajs)
     trajs, refused = _on_policy(run, trajs)
+    trajs, excluded = exclude_failures(trajs, cfg.algorithm.train_on_failures)
     advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
     samples = build_samples(cfg.algorithm.samples, trajs, advantages)
     tokens = sum(sum(s.loss_mask) for s in samples)
+    metrics |= exclusion_metrics(trajs, advantages, samples, excluded)
     if cfg.algorithm.kl_coef == 0:  # all-zero advantages: exactly zero loss, so skip their compute
         samples = [s for s in samples if any(s.advantages)]
-    metrics = rollout_metrics(trajs) | {"train/samples": len(samples), "train/tokens": tokens}
+    metrics |= {"train/samples": len(samples), "train/tokens": tokens}
     metrics["train/refused_versions"] = refused
     if samples:
         pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0

@@ -1,0 +1,47 @@
+"""The fault suite's table: every fault a rollout meets, N trajectories each (see turnrl/faults/suite.py).
+
+    .venv/bin/python bench/faults.py [--n 32] [--fast] [--only "server" "kill"]
+
+Prints one Markdown table (fault | N | returned | lost | duplicated | stop reasons | max time to
+stop | verdict); exits 1 when a row fails. The disk rows mount small tmpfs folders (root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from turnrl.faults.suite import Row, clean, run_suite, table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=32, help="trajectories per row")
+    parser.add_argument("--fast", action="store_true", help="only the rows CI runs")
+    parser.add_argument("--only", nargs="*", default=[], help="rows whose name contains one of these")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="turnrl-faults-"))
+    t0 = time.monotonic()
+
+    def progress(row: Row) -> None:
+        print(f"{row.fault}: {row.verdict} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    try:
+        rows = asyncio.run(run_suite(tmp, args.n, args.only, args.fast, progress))
+    finally:
+        clean(tmp)
+    print(table(rows))
+    failed = [r for r in rows if not r.ok]
+    print(
+        f"\n{len(rows) - len(failed)} of {len(rows)} rows ok in {time.monotonic() - t0:.0f} s",
+        file=sys.stderr,
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""What a training step leaves out, and why: failed trajectories, groups with nothing to learn.
+
+An engine that died, an env that crashed, a bug: none of these is the model's doing, so their
+trajectories are not trained on as reward 0 (that would be negative signal for whatever the model
+did up to the failure); they leave the step before advantages, so they do not weigh on their
+group's baseline either (``algorithm.train_on_failures: true`` keeps them). Every exclusion is
+counted in the step's metrics by reason, as are groups whose advantages are all zero (every member
+scored the same, or a single member: GRPO has nothing to learn from them).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from turnrl.train.advantages import TurnAdvantages, groups
+from turnrl.train.batch import TrainSample
+from turnrl.types import StopReason, Trajectory
+
+FAILURES = frozenset({StopReason.ENGINE_ERROR, StopReason.ENV_ERROR, StopReason.INTERNAL_ERROR})
+"""Stops that say the infrastructure failed, not the model."""
+
+
+def exclude_failures(trajs: Sequence[Trajectory], keep: bool) -> tuple[list[Trajectory], Counter[str]]:
+    """The trajectories to train on, and how many were left out per stop reason (none when ``keep``)."""
+    if keep:
+        return list(trajs), Counter()
+    left_out = Counter(t.stop_reason.value for t in trajs if t.stop_reason in FAILURES)
+    return [t for t in trajs if t.stop_reason not in FAILURES], left_out
+
+
+def exclusion_metrics(
+    trajs: Sequence[Trajectory],
+    advantages: TurnAdvantages,
+    samples: Sequence[TrainSample],
+    excluded: Counter[str],
+) -> dict[str, float]:
+    """``train/excluded/<reason>`` per left-out trajectory kind, trajectories without a model token,
+    samples and groups whose advantages are all zero."""
+    out: dict[str, float] = {f"train/excluded/{reason}": n for reason, n in sorted(excluded.items())}
+    out["train/excluded/no_model_tokens"] = sum(1 for t in trajs if not (t.prompt_ids and any(t.loss_mask)))
+    out["train/zero_advantage_samples"] = sum(1 for s in samples if not any(s.advantages))
+    flat = [all(v == 0 for v in turn_advantages) for turn_advantages in advantages]
+    members = groups(trajs).values()
+    out["train/zero_advantage_groups"] = sum(1 for group in members if all(flat[i] for i in group))
+    out["train/groups"] = len(members)
+    return out
