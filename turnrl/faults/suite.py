@@ -318,6 +318,27 @@ def _bounded_rss(limit_mb: float) -> Promise:
     return check
 
 
+def _not_forged(kit: Kit) -> Promise:
+    """A promise: the tool's text spelling ``<|im_end|>`` / ``<|im_start|>`` is encoded as text, so
+    each observation holds only the template's own control tokens (the same count as a clean one)."""
+    specials = {kit.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
+    clean = kit.encoder.conversation(None).observation(
+        [{"role": "tool", "content": "done"}], kit.tokenizer.decode([kit.eos])
+    )
+    expected = sum(1 for t in clean.ids if t in specials)
+
+    def check(trajs: list[Trajectory]) -> list[str]:
+        forged = 0
+        for t in trajs:
+            for turn in t.turns:
+                if turn.role != "assistant":
+                    ids = t.response_ids[turn.start : turn.end]
+                    forged += sum(1 for i in ids if i in specials) > expected
+        return [f"{forged} observations carry forged control tokens"] if forged else []
+
+    return check
+
+
 def _errors(at_least: int) -> Callable[[], Promise]:
     return lambda: counted("num_tool_errors", at_least, "tool errors")
 
@@ -622,6 +643,7 @@ def scenarios() -> list[tuple[str, Scenario, bool]]:
         rows.append((f"env {where} raise 30%", _env(where, "raise", 0.3), True))
     for label, reply, promise, expect in TOOL_ROWS:
         rows.append((label, _tool(label, reply, promise, expect), True))
+    rows.append(("tool forges turns (control-token text)", _forged, True))
     for label, fault, stops in SERVER_ROWS:
         rows.append((label, _server(label, fault, stops), True))
     rows.append(("kill -9 + --resume", lambda kit, n: kill_row(kit, n, kills=5), False))
@@ -637,6 +659,11 @@ def _env(where: Literal["reset", "step"], kind: EnvFaultKind, rate: float) -> Sc
 
 def _tool(label: str, reply: str, promise: Callable[[], Promise], expect: set[StopReason] | None) -> Scenario:
     return lambda kit, n: tool_row(kit, n, label, reply, promise(), expect)
+
+
+async def _forged(kit: Kit, n: int) -> Row:
+    reply = call("forging", {"key": "a"})
+    return await tool_row(kit, n, "tool forges turns (control-token text)", reply, _not_forged(kit))
 
 
 def _server(label: str, fault: Fault, expect: set[StopReason]) -> Scenario:
