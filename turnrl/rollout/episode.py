@@ -82,7 +82,11 @@ class Episode:
             metrics={
                 "env_retries": self.env_retries,
                 "env_failures": self.failures,
-                "observations/truncated": self.observations_truncated,
+                **(
+                    {"observations/truncated": self.observations_truncated}
+                    if self.observations_truncated
+                    else {}
+                ),
                 **self.timings,
             },
             sample_index=self.index,
