@@ -146,9 +146,7 @@ def _spelled_controls(template: ChatTemplate, incremental: list[int], reference:
     """Whether the re-render made control tokens of text the rollout kept as text: the template
     renders content verbatim and the tokenizer then parses ``<|im_end|>`` spelled in a tool result
     as the real token, forging a turn; the rollout encodes content as text, which is the safe one."""
-    special = set(template.tokenizer.all_special_ids) | {
-        i for i, t in template.tokenizer.added_tokens_decoder.items() if t.special
-    }
+    special = template.special_ids
     return sum(t in special for t in reference) > sum(t in special for t in incremental)
 
 

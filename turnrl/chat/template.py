@@ -35,6 +35,10 @@ class ChatTemplate:
             self._literal_backend = Tokenizer.from_str(self._backend.to_str())
             self._literal_backend.encode_special_tokens = True
         specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", [])) | {
+            i for i, t in added.items() if getattr(t, "special", False)
+        }  # the ids of control tokens: specials and special added tokens
         self._special_re = re.compile("|".join(re.escape(t) for t in specials)) if specials else None
 
     def render(

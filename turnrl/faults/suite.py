@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -567,17 +567,32 @@ def _umount(path: Path) -> None:
     subprocess.run(["umount", str(path)], capture_output=True)
 
 
+@contextlib.asynccontextmanager
+async def _disk_with_server(
+    kit: Kit, row: Row, name: str, options: str
+) -> AsyncIterator[tuple[Path, FaultServer] | None]:
+    """A tmpfs mounted at ``kit.tmp / name`` and a healthy loopback server, both gone afterwards;
+    None (the row told why) when the tmpfs cannot be mounted."""
+    disk = kit.tmp / name
+    error = _mount(disk, options)
+    if error:
+        row.problems.append(f"cannot mount a tmpfs with {options} ({error})")
+        yield None
+        return
+    try:
+        async with FaultServer(lambda prompt: kit.ids(STORY)) as server:
+            yield disk, server
+    finally:
+        _umount(disk)
+
+
 async def disk_full_row(kit: Kit, n: int) -> Row:
     """The output folder's disk fills mid-run: a one-line error naming it, every complete record
     kept; after space is freed, ``--resume`` completes the run."""
     row = Row("disk full + --resume", n, bound_s=30.0)
-    disk = kit.tmp / "small_disk"
-    error = _mount(disk, "size=96k")
-    if error:
-        row.problems.append(f"cannot mount a small tmpfs ({error})")
-        return row
-    try:
-        async with FaultServer(lambda prompt: kit.ids(STORY)) as server:
+    async with _disk_with_server(kit, row, "small_disk", "size=96k") as mounted:
+        if mounted is not None:
+            disk, server = mounted
             out = disk / "run"
             config = _config(kit, server.url, out, n)
             t0 = time.monotonic()
@@ -593,8 +608,6 @@ async def disk_full_row(kit: Kit, n: int) -> Row:
                 row.problems.append(f"--resume exited {rc2}: {err2.strip().splitlines()[-1:]}")
             _judge_file(row, out / "trajectories.jsonl", n)
             row.note = f"{on_disk} records fit; said: {said[:100]}"
-    finally:
-        _umount(disk)
     if row.max_stop_s > row.bound_s:
         row.problems.append(f"took {row.max_stop_s:.1f} s to stop (bound {row.bound_s:g} s)")
     return row
@@ -603,13 +616,9 @@ async def disk_full_row(kit: Kit, n: int) -> Row:
 async def unwritable_row(kit: Kit) -> Row:
     """An output folder that cannot be written: a one-line error naming it, before any work."""
     row = Row("unwritable output folder", 0, bound_s=30.0)
-    disk = kit.tmp / "read_only"
-    error = _mount(disk, "ro,size=16k")
-    if error:
-        row.problems.append(f"cannot mount a read-only tmpfs ({error})")
-        return row
-    try:
-        async with FaultServer(lambda prompt: kit.ids(STORY)) as server:
+    async with _disk_with_server(kit, row, "read_only", "ro,size=16k") as mounted:
+        if mounted is not None:
+            disk, server = mounted
             config = _config(kit, server.url, disk / "run", 8)
             t0 = time.monotonic()
             rc, err = await _finish(_turnrl(config), 60)
@@ -620,8 +629,6 @@ async def unwritable_row(kit: Kit) -> Row:
             if server.requests:
                 row.problems.append(f"{server.requests} requests made before failing")
             row.note = f"said: {said[:100]}"
-    finally:
-        _umount(disk)
     return row
 
 

@@ -269,8 +269,7 @@ def _observe(
     try:
         messages = env.format_observation(result.observation)
         messages, cut = cap_messages(messages, spec.limits.max_observation_chars)
-        if cut:
-            ep.observations_truncated += cut
+        ep.observations_truncated += cut
         obs = conv.observation(messages, ep.last_token_text)
     except Exception as exc:  # a bad observation ends this trajectory, not the run
         ep.end(StopReason.ENV_ERROR, f"observation: {describe(exc)}")
