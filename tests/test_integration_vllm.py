@@ -41,8 +41,11 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
         raise
     pytest.skip(f"verl is not installed ({exc}): run scripts/setup.sh", allow_module_level=True)
 
-PROMPT_LEN, RESPONSE_LEN = 256, 96
-GAMES = GuessNumberEnv.dataset(size=6, hi=5, seed=4)  # guess a number from 1 to 5, up to 4 guesses
+PROMPT_LEN, RESPONSE_LEN = 256, 256
+# Guess a number from 1 to 5, up to 4 guesses. SmolLM2 at temperature 1 ends a game at its first turn
+# about half the time (a right guess, or 64 tokens of rambling); 10 games make "no game reached a
+# second turn" a one-in-a-thousand event (it happened to 6 games with 24 and with 40 tokens a turn).
+GAMES = GuessNumberEnv.dataset(size=10, hi=5, seed=4)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def verl_config(model_dir: str, tmp: Path) -> Any:
     loops.write_text(
         "- name: turnrl_guess\n"
         "  _target_: turnrl.integrations.verl.TurnRLAgentLoop\n"
-        "  turnrl: {env: {name: guess_number}, limits: {max_turns: 4}, sampling: {max_tokens: 40}}\n"
+        "  turnrl: {env: {name: guess_number}, limits: {max_turns: 4}, sampling: {max_tokens: 64}}\n"
     )
     return trainer_config(model_dir, loops, PROMPT_LEN, RESPONSE_LEN)
 
