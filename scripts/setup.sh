@@ -5,11 +5,15 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # pip's warnings (index locations, build-backend deprecations) go to a log shown only on failure
+# TURNRL_CONSTRAINTS: a pip constraints file (scripts/test.sh passes scripts/constraints/test.txt,
+# the exact versions the tests were run with); unset, pip takes the newest releases that fit.
+CONSTRAINTS=()
+[ -z "${TURNRL_CONSTRAINTS:-}" ] || CONSTRAINTS=(-c "$TURNRL_CONSTRAINTS")
 PIP=pip_install
 pip_install() {
   local log
   log=$(mktemp)
-  if ! .venv/bin/python -m pip --disable-pip-version-check install "$@" 2>"$log"; then
+  if ! .venv/bin/python -m pip --disable-pip-version-check install "${CONSTRAINTS[@]}" "$@" 2>"$log"; then
     cat "$log" >&2
     rm -f "$log"
     return 1

