@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +124,67 @@ def test_server_engine_needs_urls(tmp_path: Path) -> None:
     config = write_config(tmp_path, "tiny-qwen3", {"engine": {"kind": "openai", "dialect": "llamacpp"}})
     result = turnrl("rollout", str(config), cwd=tmp_path)
     assert result.returncode == 2 and "missing config key 'engine.urls'" in result.stderr
+
+
+def _metric_steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize(
+    ("sig", "ignore_sigint"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+    ids=["ctrl-c", "sigterm", "sigterm-background-job"],
+)
+def test_train_stops_on_a_signal_and_resumes(
+    tmp_path: Path, tiny_qwen3_dir: Path, sig: signal.Signals, ignore_sigint: bool
+) -> None:
+    """Ctrl-C or SIGTERM mid-training stops ``turnrl train`` promptly with exit 130 and the resume
+    command; the resume goes on after the last saved step. A script's background job starts with
+    SIGINT ignored: SIGTERM must stop it all the same."""
+    config = {
+        "model": str(tiny_qwen3_dir),
+        "env": {"name": "turnrl.testing:EchoEnv", "kwargs": {"done_after": 2}},
+        "data": {"kwargs": {"size": 4}},
+        "sampling": {"max_tokens": 6},
+        "limits": {"max_turns": 2, "max_context_tokens": 256},
+        "rollout": {"group_size": 2},
+        "train": {"steps": 10_000, "prompts_per_step": 2, "plot": False, "save_every": 1},
+        "output_dir": str(tmp_path / "train"),
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    metrics = tmp_path / "train" / "metrics.jsonl"
+
+    def ignore() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "turnrl.cli", "train", str(path)],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=ignore if ignore_sigint else None,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while max(_metric_steps(metrics), default=0) < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "no training step in 240 s"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)  # a hang fails here
+    finally:
+        proc.kill()
+        proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "--resume" in err
+    done = max(_metric_steps(metrics))
+    again = turnrl("train", str(path), "--resume", "--set", f"train.steps={done + 1}", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    steps = _metric_steps(metrics)
+    assert steps[-1] == done + 1 and steps.count(done) == 1
 
 
 def test_train_runs_a_step_and_resumes(tmp_path: Path, tiny_qwen3_dir: Path) -> None:

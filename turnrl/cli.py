@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from rich.console import Console
 
@@ -183,13 +184,23 @@ def _hint(args: argparse.Namespace) -> str | None:
     return hint() if hint is not None else None
 
 
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (a scheduler, `kill`) stops a run as Ctrl-C does: in-flight work is cancelled, servers
+    and env workers are stopped, what finished stays on disk. It calls the SIGINT handler in place
+    (asyncio's, which cancels the running command) rather than raising SIGINT, which a process
+    started in the background of a script ignores."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and handler is not _on_sigterm:
+        handler(signal.SIGINT, frame)
+    else:  # SIGINT ignored (or left to the OS): stop all the same
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one clear line on bad input, non-zero exit."""
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
-    # SIGTERM (a scheduler, `kill`) stops a run as Ctrl-C does: in-flight work is cancelled, servers
-    # and env workers are stopped, what finished stays on disk.
-    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args, console))
     except KeyboardInterrupt:
