@@ -27,7 +27,8 @@ def tool_msg(content: str, i: int = 0) -> Message:
 def simulate(
     encoder: ChatEncoder, tools: Any, turns: list[tuple[str, list[Message]]]
 ) -> tuple[list[int], list[int], list[Message], str | None]:
-    return report.simulate(encoder, tools, turns, PROMPT)
+    sim = report.simulate(encoder, tools, turns, PROMPT)
+    return sim.prompt_ids, sim.response_ids, sim.messages, sim.last_token_text
 
 
 def full_ids(encoder: ChatEncoder, messages: list[Message], tools: Any, gen: bool) -> list[int]:

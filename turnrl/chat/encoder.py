@@ -12,7 +12,6 @@ from turnrl.chat.probe import (
     ASSISTANT_MARK,
     TemplateProbe,
     assistant_message,
-    base_messages,
     probe_template,
 )
 from turnrl.chat.template import ChatTemplate
@@ -92,8 +91,16 @@ class ConversationEncoder:
     def prompt(self, messages: Sequence[Message]) -> Encoded:
         """The prompt with its generation prompt and its images, rendered and encoded once."""
         messages, raw = self._normalize(messages)
-        ids = self.template.encode(self.template.render(messages, self.tools, True))
+        ids = self._encode_rendered(self.template.render(messages, self.tools, True), messages)
         return self._with_images(ids, messages, raw)
+
+    def _encode_rendered(self, text: str, messages: Sequence[Message]) -> list[int]:
+        """Encode a rendered conversation; message contents that spell control tokens stay text.
+        Without such content (the usual case) this is one tokenizer call on the whole text."""
+        contents = [c for m in messages for c in text_parts(m.get("content"))]
+        if not any(self.template.has_special(c) for c in contents):
+            return self.template.encode(text)
+        return self.template.encode_protected(_content_pieces(text, contents))
 
     def observation(self, messages: Sequence[Message], last_token_text: str | None) -> Encoded:
         """Delta tokens of observation messages (see ``encode_observation``) and their images."""
@@ -117,14 +124,20 @@ class ConversationEncoder:
         """The model's turn as message content, and the text of its last token.
 
         A final end-of-turn token (the one the template closes assistant turns with) is not
-        part of the content, since the template writes it itself.
+        part of the content, since the template writes it itself; nor is a reply prefix.
         """
         if not token_ids:
             return "", None
         last = self.template.decode(token_ids[-1:])
         if last and self.probe.assistant_close.startswith(last):
-            return self.template.decode(token_ids[:-1]), last
-        return self.template.decode(token_ids), last
+            return self._content(self.template.decode(token_ids[:-1])), last
+        return self._content(self.template.decode(token_ids)), last
+
+    def _content(self, text: str) -> str:
+        """Sampled text as message content: without the prefix the template writes itself before an
+        assistant's content (``probe.reply_prefix``, Functionary's recipient line)."""
+        prefix = self.probe.reply_prefix
+        return text[len(prefix) :] if prefix and text.startswith(prefix) else text
 
     def _after_model(self, text: str, last_token_text: str | None) -> str:
         """Drop the part of the template's post-assistant text that the model already sampled."""
@@ -158,21 +171,27 @@ class ConversationEncoder:
                 elif isinstance(part, dict) and "text" in part:
                     pieces.append((str(part["text"]), True))
         pieces.append((shape.close, False))
-        return self.template.encode_protected(pieces)
+        return self._encode_after(pieces, last_token_text)
 
     def _encode_slow(self, messages: Sequence[Message], last_token_text: str | None) -> list[int]:
         """Render the fixed base + a placeholder assistant turn + the messages; keep the tail."""
         self.slow_turns += 1
-        full = [*base_messages(), assistant_message(ASSISTANT_MARK), *messages]
+        full = [*self.probe.base, assistant_message(ASSISTANT_MARK), *messages]
         tail = self.template.render(full, self.tools, True).split(ASSISTANT_MARK, 1)[1]
         tail = self._after_model(tail, last_token_text)
-        pieces: list[tuple[str, bool]] = []
-        for m in messages:
-            for content in text_parts(m.get("content")):
-                if content and content in tail:
-                    before, tail = tail.split(content, 1)
-                    pieces += [(before, False), (content, True)]
-        pieces.append((tail, False))
+        contents = [c for m in messages for c in text_parts(m.get("content"))]
+        return self._encode_after(_content_pieces(tail, contents), last_token_text)
+
+    def _encode_after(self, pieces: list[tuple[str, bool]], last_token_text: str | None) -> list[int]:
+        """Encode a delta that follows the model's last token. After a control token the delta is
+        encoded with that token in front, then the token dropped: SentencePiece tokenizers start the
+        text after a control token with a word-boundary piece (``<|end|>`` + ``▁\n`` in Phi-3), which
+        a delta encoded alone would lack; elsewhere the result is the same as encoding it alone."""
+        lead = self.template.special_token_id(last_token_text) if last_token_text else None
+        if lead is not None and pieces and not pieces[0][1]:
+            ids = self.template.encode_protected([(str(last_token_text) + pieces[0][0], False), *pieces[1:]])
+            if ids[:1] == [lead]:
+                return ids[1:]
         return self.template.encode_protected(pieces)
 
     def closing_ids(self, last_token_text: str | None) -> list[int]:
@@ -206,3 +225,28 @@ class ConversationEncoder:
         if self.vision is not None:
             reference = self.vision.expand(reference, images)
         return compare(self.template, incremental, reference, mode, self.probe.rewrites_reasoning, sampled)
+
+
+def _content_pieces(text: str, contents: Sequence[str]) -> list[tuple[str, bool]]:
+    """``text`` as (piece, is_content) pairs: each of ``contents``, in order, found where the
+    template rendered it (see ``_as_rendered``); a content not found stays part of the structure."""
+    pieces: list[tuple[str, bool]] = []
+    for content in contents:
+        rendered = _as_rendered(content, text)
+        if rendered:
+            before, text = text.split(rendered, 1)
+            pieces += [(before, False), (rendered, True)]
+    pieces.append((text, False))
+    return pieces
+
+
+def _as_rendered(content: str, tail: str) -> str | None:
+    """How ``content`` appears in a rendered ``tail``: verbatim, or as a JSON string's inside
+    (templates that ``tojson`` a tool result, Llama 3.x's), so that control-token spellings in it
+    stay text on the slow path too; None when it is not found."""
+    if not content:
+        return None
+    for form in (content, json.dumps(content)[1:-1], json.dumps(content, ensure_ascii=False)[1:-1]):
+        if form in tail:
+            return form
+    return None

@@ -27,9 +27,11 @@ def _mark(i: int) -> str:
     return f"OBS-MARK-{i}-q7"
 
 
-def base_messages() -> list[Message]:
-    """The fixed conversation that observations are rendered after."""
-    return [{"role": "system", "content": BASE_SYSTEM}, {"role": "user", "content": BASE_USER}]
+def base_messages(system: bool = True) -> list[Message]:
+    """The fixed conversation that observations are rendered after (without the system message
+    for templates that refuse one, Gemma's)."""
+    user: Message = {"role": "user", "content": BASE_USER}
+    return [{"role": "system", "content": BASE_SYSTEM}, user] if system else [user]
 
 
 def assistant_message(content: str) -> Message:
@@ -40,8 +42,13 @@ def assistant_message(content: str) -> Message:
 def observation_message(role: str, content: str, index: int = 0) -> Message:
     """A message of ``role`` as an env would send it (tool messages get a name and call id)."""
     if role == "tool":
-        return {"role": "tool", "content": content, "name": "probe", "tool_call_id": f"call_{index}"}
+        return {"role": "tool", "content": content, "name": "probe", "tool_call_id": call_id(index)}
     return {"role": role, "content": content}
+
+
+def call_id(index: int) -> str:
+    """A tool call id every template accepts: Mistral's demand 9 letters or digits."""
+    return f"call{index:05d}"
 
 
 @dataclass
@@ -65,6 +72,8 @@ class TemplateProbe:
     injects_empty_think: bool = False  # the last assistant turn gets a <think></think> it never wrote
     generation_prompt: str = ""  # what add_generation_prompt appends
     image_placeholders: dict[str, str] = field(default_factory=dict)  # role -> text one image part renders as
+    base: list[Message] = field(default_factory=base_messages)  # the fixed conversation observations follow
+    reply_prefix: str = ""  # what a model writes before its content (Functionary's recipient "all\n")
 
     @property
     def rewrites_reasoning(self) -> bool:
@@ -97,18 +106,19 @@ def _tail_after(text: str, mark: str) -> str:
     return text.split(mark, 1)[1]
 
 
-def _render_tail(
-    tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None, obs: list[Message], gen: bool
-) -> str:
-    messages = [*base_messages(), assistant_message(ASSISTANT_MARK), *obs]
+Tools = Sequence[dict[str, Any]] | None
+
+
+def _render_tail(tpl: ChatTemplate, tools: Tools, obs: list[Message], gen: bool, base: list[Message]) -> str:
+    messages = [*base, assistant_message(ASSISTANT_MARK), *obs]
     return _tail_after(tpl.render(messages, tools, gen), ASSISTANT_MARK)
 
 
-def _probe_role(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None, role: str) -> RoleShape | str:
+def _probe_role(tpl: ChatTemplate, tools: Tools, role: str, base: list[Message]) -> RoleShape | str:
     """The role's shape, or the reason it has none."""
     try:
         tails = [
-            _render_tail(tpl, tools, [observation_message(role, _mark(i), i) for i in range(k)], True)
+            _render_tail(tpl, tools, [observation_message(role, _mark(i), i) for i in range(k)], True, base)
             for k in (1, 2, 3)
         ]
     except ChatTemplateError as exc:
@@ -126,10 +136,10 @@ def _probe_role(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None, role:
         if tail != _assemble(shape, [_mark(i) for i in range(k)]):
             return f"{k} consecutive messages do not render as lead/between/close"
     odd = "\n  " + _mark(0) + " \n"
-    if _render_tail(tpl, tools, [observation_message(role, odd)], True) != _assemble(shape, [odd]):
+    if _render_tail(tpl, tools, [observation_message(role, odd)], True, base) != _assemble(shape, [odd]):
         return "content is trimmed or escaped by the template"
-    other = cast(Message, dict(observation_message(role, _mark(0)), name="other", tool_call_id="call_9"))
-    if role == "tool" and _render_tail(tpl, tools, [other], True) != first:
+    other = cast(Message, dict(observation_message(role, _mark(0)), name="other", tool_call_id=call_id(9)))
+    if role == "tool" and _render_tail(tpl, tools, [other], True, base) != first:
         return "rendering depends on the tool name or call id"
     return shape
 
@@ -138,15 +148,15 @@ def _assemble(shape: RoleShape, contents: Sequence[str]) -> str:
     return shape.lead + shape.between.join(contents) + shape.close
 
 
-def _probe_reasoning(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None) -> tuple[bool, bool]:
+def _probe_reasoning(tpl: ChatTemplate, tools: Tools, base: list[Message]) -> tuple[bool, bool]:
     thought = f"<think>\n{REASONING_MARK}\n</think>\n\n{ASSISTANT_MARK}"
     try:
         later = tpl.render(
-            [*base_messages(), assistant_message(thought), {"role": "user", "content": _mark(0)}],
+            [*base, assistant_message(thought), {"role": "user", "content": _mark(0)}],
             tools,
             False,
         )
-        final = tpl.render([*base_messages(), assistant_message(ASSISTANT_MARK)], tools, False)
+        final = tpl.render([*base, assistant_message(ASSISTANT_MARK)], tools, False)
     except ChatTemplateError:
         return False, False
     drops = REASONING_MARK not in later
@@ -154,36 +164,55 @@ def _probe_reasoning(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None) 
     return drops, injects
 
 
-def probe_template(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None = None) -> TemplateProbe:
+def probe_template(tpl: ChatTemplate, tools: Tools = None) -> TemplateProbe:
     """Probe ``tpl`` with ``tools`` in the system prompt."""
-    closing = _render_tail(tpl, tools, [], False)
-    with_prompt = _render_tail(tpl, tools, [], True)
-    probe = TemplateProbe(assistant_close=closing, generation_prompt=with_prompt[len(closing) :])
+    base = base_messages()
+    try:
+        closing = _render_tail(tpl, tools, [], False, base)
+    except ChatTemplateError:  # a template without a system role (Gemma's raises on one)
+        base = base_messages(system=False)
+        closing = _render_tail(tpl, tools, [], False, base)
+    with_prompt = _render_tail(tpl, tools, [], True, base)
+    probe = TemplateProbe(assistant_close=closing, generation_prompt=with_prompt[len(closing) :], base=base)
     for role in ("tool", "user"):
-        shape = _probe_role(tpl, tools, role)
+        shape = _probe_role(tpl, tools, role, base)
         if isinstance(shape, RoleShape):
             probe.shapes[role] = shape
         else:
             probe.slow_roles[role] = shape
-        placeholder = _probe_image(tpl, tools, role)
+        placeholder = _probe_image(tpl, tools, role, base)
         if placeholder is not None:
             probe.image_placeholders[role] = placeholder
-    probe.drops_past_reasoning, probe.injects_empty_think = _probe_reasoning(tpl, tools)
+    probe.drops_past_reasoning, probe.injects_empty_think = _probe_reasoning(tpl, tools, base)
+    probe.reply_prefix = _reply_prefix(tpl, tools, base)
     return probe
 
 
-def _probe_image(tpl: ChatTemplate, tools: Sequence[dict[str, Any]] | None, role: str) -> str | None:
+def _reply_prefix(tpl: ChatTemplate, tools: Tools, base: list[Message]) -> str:
+    """Text a template puts between its generation prompt and an assistant message's content,
+    which a model of the family therefore samples itself; <think> blocks are the reasoning probe's."""
+    prompt = tpl.render(base, tools, True)
+    full = tpl.render([*base, assistant_message(ASSISTANT_MARK)], tools, False)
+    if not full.startswith(prompt) or ASSISTANT_MARK not in full:
+        return ""
+    prefix = full[len(prompt) : full.index(ASSISTANT_MARK)]
+    return "" if "<think>" in prefix else prefix
+
+
+def _probe_image(tpl: ChatTemplate, tools: Tools, role: str, base: list[Message]) -> str | None:
     """The text an image part renders as in a ``role`` message, when list content renders like the
     same text as a string (so the fast path can flatten it); None when the template has no images."""
     parts = [{"type": "text", "text": _mark(0)}, {"type": "image"}, {"type": "text", "text": _mark(1)}]
     try:
         listed = _render_tail(
-            tpl, tools, [cast(Message, dict(observation_message(role, ""), content=parts))], True
+            tpl, tools, [cast(Message, dict(observation_message(role, ""), content=parts))], True, base
         )
     except ChatTemplateError:
         return None
     if listed.count(_mark(0)) != 1 or listed.count(_mark(1)) != 1:
         return None
     placeholder = listed.split(_mark(0), 1)[1].split(_mark(1), 1)[0]
-    flat = _render_tail(tpl, tools, [observation_message(role, _mark(0) + placeholder + _mark(1))], True)
+    flat = _render_tail(
+        tpl, tools, [observation_message(role, _mark(0) + placeholder + _mark(1))], True, base
+    )
     return placeholder if placeholder and flat == listed else None

@@ -12,6 +12,8 @@ from typing import Any
 
 from turnrl.chat.check import CheckResult
 from turnrl.chat.encoder import ChatEncoder, Tools
+from turnrl.chat.probe import call_id
+from turnrl.chat.template import ChatTemplateError
 from turnrl.types import Message
 
 DEFAULT_TOOLS = [
@@ -37,7 +39,7 @@ Script = list[tuple[str, list[Message]]]
 
 
 def _tool(content: str, i: int = 0) -> Message:
-    return {"role": "tool", "name": "calculator", "tool_call_id": f"call_{i}", "content": content}
+    return {"role": "tool", "name": "calculator", "tool_call_id": call_id(i), "content": content}
 
 
 SCENARIOS: dict[str, tuple[bool, Script]] = {
@@ -71,31 +73,46 @@ SCENARIOS: dict[str, tuple[bool, Script]] = {
 
 
 def end_of_turn_ids(encoder: ChatEncoder, tools: Tools) -> list[int]:
-    """The token(s) a model samples to end its turn: the template's assistant close, stripped."""
-    return encoder.template.encode(encoder.probe(tools).assistant_close.strip())
+    """The token(s) a model samples to end its turn: the first token of the template's assistant
+    close when it is a control token (a model stops there: Phi-3.5's close is ``<|end|>`` then
+    ``\n<|endoftext|>``), else the whole close, stripped."""
+    ids = encoder.template.encode(encoder.probe(tools).assistant_close.strip())
+    return ids[:1] if ids and ids[0] in encoder.template.special_ids else ids
 
 
-def simulate(
-    encoder: ChatEncoder, tools: Tools, script: Script, prompt: list[Message] = PROMPT
-) -> tuple[list[int], list[int], list[Message], str | None]:
-    """Encode a scripted conversation as the rollout does; return prompt ids, response ids,
-    messages and the text of the last sampled token."""
+@dataclass
+class Simulated:
+    """A scripted conversation encoded as the rollout encodes it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]  # 1 for the scripted model tokens, 0 for observation deltas
+    messages: list[Message]
+    last_token_text: str | None  # the text of the last model token (None after an observation)
+
+
+def simulate(encoder: ChatEncoder, tools: Tools, script: Script, prompt: list[Message] = PROMPT) -> Simulated:
+    """Encode a scripted conversation as the rollout does: model replies as tokens (the replies
+    tokenized alone, as a model may sample them), observations as deltas."""
     conv = encoder.conversation(tools)
+    if len(conv.probe.base) == 1:  # the template has no system role
+        prompt = [m for m in prompt if m.get("role") != "system"]
     eot = end_of_turn_ids(encoder, tools)
-    prompt_ids = conv.encode_prompt(prompt)
-    response: list[int] = []
-    messages = list(prompt)
-    last: str | None = None
+    out = Simulated(conv.encode_prompt(prompt), [], [], list(prompt), None)
+    prefix = conv.probe.reply_prefix  # e.g. Functionary's recipient line, which its model writes
     for reply, observation in script:
-        model_ids = encoder.template.encode(reply) + eot
-        response += model_ids
-        content, last = conv.assistant_text(model_ids)
-        messages.append({"role": "assistant", "content": content})
+        model_ids = encoder.template.encode(prefix + reply) + eot
+        out.response_ids += model_ids
+        out.loss_mask += [1] * len(model_ids)
+        content, out.last_token_text = conv.assistant_text(model_ids)
+        out.messages.append({"role": "assistant", "content": content})
         if observation:
-            response += conv.encode_observation(observation, last)
-            messages += observation
-            last = None
-    return prompt_ids, response, messages, last
+            delta = conv.encode_observation(observation, out.last_token_text)
+            out.response_ids += delta
+            out.loss_mask += [0] * len(delta)
+            out.messages += observation
+            out.last_token_text = None
+    return out
 
 
 @dataclass
@@ -105,11 +122,13 @@ class TemplateReport:
     model: str
     findings: list[str]
     results: dict[str, CheckResult] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # scenario -> what the template raised
 
     @property
     def safe(self) -> bool:
-        """True when every conversation matched its full re-render (known quirks allowed)."""
-        return all(r.ok for r in self.results.values())
+        """True when every conversation matched its full re-render (known quirks allowed) and the
+        template rendered every one."""
+        return all(r.ok for r in self.results.values()) and not self.errors
 
     def text(self) -> str:
         """The report as the CLI prints it."""
@@ -119,19 +138,19 @@ class TemplateReport:
         for name, result in self.results.items():
             expected = sum(1 for h in result.hunks if h.expected)
             status = "ok" if result.ok else f"MISMATCH ({result.mismatches})"
-            note = (
-                f", {expected} expected difference(s) from reasoning the template rewrites"
-                if expected
-                else ""
-            )
+            kinds = ", ".join(sorted({h.kind for h in result.hunks if h.expected}))
+            note = f", {expected} expected difference(s) ({kinds})" if expected else ""
             lines.append(f"{name}: {status}{note}")
             if result.diff:
                 lines += [f"    {d}" for d in result.diff.splitlines()]
-        verdict = (
-            "SAFE for delta encoding"
-            if self.safe
-            else "NOT SAFE: the rollout's tokens differ from a re-render"
-        )
+        for name, error in self.errors.items():
+            lines.append(f"{name}: the template cannot render it: {error}")
+        if not all(r.ok for r in self.results.values()):
+            verdict = "NOT SAFE: the rollout's tokens differ from a re-render"
+        elif self.errors:
+            verdict = f"SAFE where it renders; the template raises on: {', '.join(self.errors)}"
+        else:
+            verdict = "SAFE for delta encoding"
         lines += ["", verdict]
         return "\n".join(lines)
 
@@ -139,13 +158,41 @@ class TemplateReport:
 def report_for(encoder: ChatEncoder, model: str, tools: Tools = None) -> TemplateReport:
     """Run every scenario through ``encoder``."""
     tools = tools or DEFAULT_TOOLS
-    report = TemplateReport(model, encoder.probe(tools).report())
+    try:
+        findings = encoder.probe(tools).report()
+    except ChatTemplateError as exc:
+        findings = [f"the template cannot render a conversation with tools: {exc}"]
+    else:
+        findings += _dropped_tools(encoder, tools)
+    report = TemplateReport(model, findings)
     for name, (uses_tools, script) in SCENARIOS.items():
         scenario_tools = tools if uses_tools else None
-        prompt_ids, response, messages, last = simulate(encoder, scenario_tools, script)
-        conv = encoder.conversation(scenario_tools)
-        report.results[name] = conv.check(prompt_ids, response, messages, last_token_text=last, mode="strict")
+        try:
+            sim = simulate(encoder, scenario_tools, script)
+            conv = encoder.conversation(scenario_tools)
+            report.results[name] = conv.check(
+                sim.prompt_ids,
+                sim.response_ids,
+                sim.messages,
+                last_token_text=sim.last_token_text,
+                mode="strict",
+                loss_mask=sim.loss_mask,
+            )
+        except ChatTemplateError as exc:
+            report.errors[name] = str(exc)
     return report
+
+
+def _dropped_tools(encoder: ChatEncoder, tools: Tools) -> list[str]:
+    """A warning when the rendered prompt does not name every tool it was given."""
+    names = [str(t.get("function", t).get("name", "")) for t in tools or []]
+    prompt = [m for m in PROMPT if m["role"] != "system" or len(encoder.probe(tools).base) > 1]
+    text = encoder.template.render(prompt, tools, True)
+    missing = [n for n in names if n and n not in text]
+    if not missing:
+        return []
+    listed = ", ".join(missing)
+    return [f"WARNING: drops the tools it is given ({listed}): the model never sees their schemas"]
 
 
 def check_template(

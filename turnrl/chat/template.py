@@ -34,12 +34,16 @@ class ChatTemplate:
 
             self._literal_backend = Tokenizer.from_str(self._backend.to_str())
             self._literal_backend.encode_special_tokens = True
-        specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", [])) | {
-            i for i, t in added.items() if getattr(t, "special", False)
-        }  # the ids of control tokens: specials and special added tokens
-        self._special_re = re.compile("|".join(re.escape(t) for t in specials)) if specials else None
+        added = {i: t for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items()}
+        control = {i: str(t.content) for i, t in added.items() if getattr(t, "special", False)}
+        # control tokens: the named specials and every added token marked special (<|eot_id|>,
+        # <|end|>, <|turn>: not among all_special_tokens), never made from content's text
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", [])) | set(control)
+        specials = {t for t in getattr(tokenizer, "all_special_tokens", []) if t} | set(control.values())
+        self._control_ids = {text: i for i, text in control.items()}
+        # longest first, so a token that contains another (<|im_end|> and <|im|>) is found whole
+        spelled = sorted(specials, key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(t) for t in spelled)) if spelled else None
 
     def render(
         self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None, generation_prompt: bool
@@ -66,6 +70,10 @@ class ChatTemplate:
             return list(backend.encode(text, add_special_tokens=False).ids)
         out = self.tokenizer(text, add_special_tokens=False, split_special_tokens=literal)
         return list(out["input_ids"])
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the control token spelled exactly ``text``, or None."""
+        return self._control_ids.get(text)
 
     def has_special(self, text: str) -> bool:
         """Whether ``text`` spells any special token."""

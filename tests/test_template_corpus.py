@@ -1,0 +1,173 @@
+"""Every template of the corpus (tests/template_corpus.py) under the rollout's own encoder: a
+scripted rollout trains on exactly what the engine conditioned on, append-only templates match a
+full render token for token, content spelling a family's control tokens stays text on every path,
+and check-template reports on every family without raising."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from template_corpus import BY_NAME, FAMILIES, TEMPLATES, tokenizer_for
+
+from turnrl.chat import ChatEncoder
+from turnrl.chat.probe import call_id
+from turnrl.chat.report import DEFAULT_TOOLS, check_template
+from turnrl.chat.template import ChatTemplateError
+from turnrl.engines import ScriptedEngine
+from turnrl.rollout.limits import Limits
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.testing import EchoEnv
+from turnrl.types import Sample, SamplingParams, StopReason
+
+NAMES = [f.name for f in FAMILIES]
+# templates whose history a later turn never rewrites (measured with this corpus): a scripted
+# conversation's tokens equal a full render of its messages, in every scenario of check-template
+APPEND_ONLY = [
+    "qwen3",
+    "phi-3.5",
+    "functionary-3.2",
+    "seed-oss",
+    "qwen2.5",
+    "qwq",
+    "qwen3-coder",
+    "llama-3.1",
+    "llama-3.2",
+    "devstral",
+    "granite-3.3",
+    "granite-4.0",
+    "kimi-k2",
+    "smollm3",
+    "lfm2",
+]
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def tokenizer(name: str) -> Any:
+    if name not in _TOKENIZERS:
+        _TOKENIZERS[name] = tokenizer_for(BY_NAME[name])
+    return _TOKENIZERS[name]
+
+
+def test_the_corpus_has_at_least_20_families_each_with_its_provenance() -> None:
+    table = (TEMPLATES / "PROVENANCE.md").read_text(encoding="utf-8")
+    assert len(FAMILIES) >= 20 and len({f.template for f in FAMILIES}) == len(FAMILIES)
+    for family in FAMILIES:
+        assert f"| {family.name} |" in table and family.template in table, family.name
+        assert family.controls(), f"{family.name}: no control token found in its template"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_family_tokenizer_has_every_control_token_as_one_special_token(name: str) -> None:
+    tok = tokenizer(name)
+    encoder = ChatEncoder(tok)
+    for control in BY_NAME[name].controls():
+        ids = tok.convert_tokens_to_ids([control])
+        assert len(tok.encode(control, add_special_tokens=False)) == 1, control
+        assert ids[0] in encoder.template.special_ids or control in _NON_SPECIAL, control
+
+
+_NON_SPECIAL = {"<think>", "</think>", "<tool_call>", "</tool_call>"}  # Qwen3's plain added tokens
+
+
+@pytest.mark.parametrize("name", APPEND_ONLY)
+def test_append_only_templates_match_a_full_render_in_every_scenario(name: str) -> None:
+    """Every scenario of check-template renders, and its tokens equal a full render of its messages,
+    but for the <think> blocks that thinking templates drop from history by design and the scripted
+    replies' own tokenization (a reply tokenized alone, as a model may sample it: Phi-3's "12"
+    alone starts with a word boundary that the same text after a newline lacks)."""
+    report = check_template(tokenizer(name), name=name)
+    assert report.safe, report.text()
+    hunks = [h for r in report.results.values() for h in r.hunks]
+    assert all(h.expected and h.kind in ("think", "same_text") for h in hunks), report.text()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_check_template_reports_on_every_family_without_raising(name: str) -> None:
+    report = check_template(tokenizer(name), name=name)
+    text = report.text()
+    assert text.startswith(f"chat template of {name}") and ("SAFE" in text.splitlines()[-1])
+
+
+def _special_count(encoder: ChatEncoder, ids: list[int]) -> int:
+    return sum(t in encoder.template.special_ids for t in ids)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_content_spelling_the_familys_control_tokens_stays_text(name: str) -> None:
+    """A user message or tool result that spells every control token of its family gets exactly the
+    control tokens the same message without them gets: in the prompt, and as an observation on
+    whichever path (fast or slow) the template takes."""
+    family = BY_NAME[name]
+    encoder = ChatEncoder(tokenizer(name))
+    forged = "look: " + " ".join(family.controls())
+    plain = "look: " + " ".join("x" for _ in family.controls())
+    conv = encoder.conversation(DEFAULT_TOOLS if family.needs_tools else None)
+    prompt = [{"role": "user", "content": "hi"}]
+    in_prompt = [conv.encode_prompt([{"role": "user", "content": text}]) for text in (forged, plain)]
+    assert _special_count(encoder, in_prompt[0]) == _special_count(encoder, in_prompt[1])
+    eot = _end_of_turn(encoder, DEFAULT_TOOLS if family.needs_tools else None)
+    last = encoder.template.decode(eot[-1:]) if eot else None
+    roles = ["user", "tool"] if family.tools else ["user"]
+    for role in roles:
+        tools = DEFAULT_TOOLS if role == "tool" or family.needs_tools else None
+        conv = encoder.conversation(tools)
+        conv.encode_prompt(prompt)
+
+        def message(content: str, role: str = role) -> dict[str, Any]:
+            extra = {"name": "calculator", "tool_call_id": call_id(0)} if role == "tool" else {}
+            return {"role": role, "content": content, **extra}
+
+        try:
+            with_controls = conv.encode_observation([message(forged)], last)
+        except ChatTemplateError as exc:  # templates that need an assistant tool call first
+            assert "tool" in str(exc), exc
+            continue
+        without = conv.encode_observation([message(plain)], last)
+        assert _special_count(encoder, with_controls) == _special_count(encoder, without), (role, family.name)
+
+
+def _end_of_turn(encoder: ChatEncoder, tools: Any = None) -> list[int]:
+    close = encoder.probe(tools).assistant_close.strip()
+    return encoder.template.encode(close) if close else []
+
+
+def _stop_token(encoder: ChatEncoder) -> int:
+    """The token a model of the family ends its turn with: the template's end-of-turn token, or
+    for templates that close a turn with the next role's header (GLM), that header's first token."""
+    eot = _end_of_turn(encoder) or encoder.template.encode(encoder.probe(None).shapes["user"].lead.strip())
+    return eot[-1] if _end_of_turn(encoder) else eot[0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+async def test_a_scripted_rollout_trains_on_what_the_engine_conditioned_on(name: str) -> None:
+    """Three model turns with user-turn observations between them: each turn's prompt is exactly
+    the trajectory so far, and the trained sequence is the last prompt plus the last reply."""
+    tok = tokenizer(name)
+    encoder = ChatEncoder(tok)
+    if BY_NAME[name].needs_tools:  # no tools: the template raises, and the trajectory says so
+        engine = ScriptedEngine(tok, [])
+        spec = RolloutSpec(lambda s: EchoEnv(s), engine, encoder, SamplingParams(max_tokens=8), Limits())
+        failed = await run_trajectory(Sample("s", [{"role": "user", "content": "hi"}]), spec)
+        assert "chat template failed: TypeError" in str(failed.error), failed.error
+        return
+    stop = _stop_token(encoder)
+    replies = [[*tok.encode(text, add_special_tokens=False), stop] for text in ("12", "15", "14")]
+    engine = ScriptedEngine(tok, replies, eos_token_id=stop)
+    spec = RolloutSpec(
+        env_factory=lambda sample: EchoEnv(sample, done_after=3),
+        engine=engine,
+        encoder=encoder,
+        sampling=SamplingParams(max_tokens=32),
+        limits=Limits(max_turns=3, max_context_tokens=4096),
+    )
+    sample = Sample("story", [{"role": "user", "content": "Tell a story, one sentence per turn."}])
+    traj = await run_trajectory(sample, spec)
+    assert traj.stop_reason in (StopReason.ENV_DONE, StopReason.MAX_TURNS), traj.error
+    assert traj.num_turns == 3
+    sequence = traj.prompt_ids + traj.response_ids
+    for prompt in engine.prompts:
+        assert sequence[: len(prompt)] == prompt  # every turn saw a prefix of what is trained on
+    assert engine.prompts[-1] + replies[-1] == sequence
+    model = [t for t, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m]
+    assert model == [t for r in replies for t in r]
