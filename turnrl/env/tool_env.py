@@ -90,8 +90,9 @@ class ToolEnv(Env):
         info = {
             "tool_calls": [{"name": c.name, "arguments": c.arguments, "id": c.id} for c in parsed.calls],
             "num_tool_calls": len(parsed.calls),
-            "num_tool_errors": sum(r.failed for r in results) + len(skipped),
-            "num_parse_errors": len(parsed.errors),  # malformed calls, answered with their error
+            # every call that did not give a result: failed, not run, or malformed (a parse error)
+            "num_tool_errors": sum(r.failed for r in results) + len(skipped) + len(parsed.errors),
+            "num_parse_errors": len(parsed.errors),  # of which malformed calls, answered with their error
             "num_truncated_outputs": sum(cut),  # results longer than max_output_chars
             "parse_errors": list(parsed.errors),
             "tool_metrics": [r.output.metrics for r in results],
