@@ -126,6 +126,24 @@ def test_server_engine_needs_urls(tmp_path: Path) -> None:
     assert result.returncode == 2 and "missing config key 'engine.urls'" in result.stderr
 
 
+def train_config(tmp_path: Path, model: Path, *, turns: int, prompts: int, steps: int) -> Path:
+    """A `turnrl train` config on the tiny model: EchoEnv episodes of ``turns`` turns, 2 prompts of
+    2 samples a step, a checkpoint every step, output in ``tmp_path / "train"``."""
+    config = {
+        "model": str(model),
+        "env": {"name": "turnrl.testing:EchoEnv", "kwargs": {"done_after": turns}},
+        "data": {"kwargs": {"size": prompts}},
+        "sampling": {"max_tokens": 6},
+        "limits": {"max_turns": turns, "max_context_tokens": 256},
+        "rollout": {"group_size": 2},
+        "train": {"steps": steps, "prompts_per_step": 2, "plot": False, "save_every": 1},
+        "output_dir": str(tmp_path / "train"),
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def _metric_steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -141,18 +159,7 @@ def test_train_stops_on_a_signal_and_resumes(
     """Ctrl-C or SIGTERM mid-training stops ``turnrl train`` promptly with exit 130 and the resume
     command; the resume goes on after the last saved step. A script's background job starts with
     SIGINT ignored: SIGTERM must stop it all the same."""
-    config = {
-        "model": str(tiny_qwen3_dir),
-        "env": {"name": "turnrl.testing:EchoEnv", "kwargs": {"done_after": 2}},
-        "data": {"kwargs": {"size": 4}},
-        "sampling": {"max_tokens": 6},
-        "limits": {"max_turns": 2, "max_context_tokens": 256},
-        "rollout": {"group_size": 2},
-        "train": {"steps": 10_000, "prompts_per_step": 2, "plot": False, "save_every": 1},
-        "output_dir": str(tmp_path / "train"),
-    }
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = train_config(tmp_path, tiny_qwen3_dir, turns=2, prompts=4, steps=10_000)
     metrics = tmp_path / "train" / "metrics.jsonl"
 
     def ignore() -> None:
@@ -188,18 +195,7 @@ def test_train_stops_on_a_signal_and_resumes(
 
 
 def test_train_runs_a_step_and_resumes(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
-    config = {
-        "model": str(tiny_qwen3_dir),
-        "env": {"name": "turnrl.testing:EchoEnv", "kwargs": {"done_after": 1}},
-        "data": {"kwargs": {"size": 2}},
-        "sampling": {"max_tokens": 6},
-        "limits": {"max_turns": 1, "max_context_tokens": 256},
-        "rollout": {"group_size": 2},
-        "train": {"steps": 1, "prompts_per_step": 2, "plot": False, "save_every": 1},
-        "output_dir": str(tmp_path / "train"),
-    }
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = train_config(tmp_path, tiny_qwen3_dir, turns=1, prompts=2, steps=1)
     result = turnrl("train", str(path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "train" / "metrics.jsonl").exists()
