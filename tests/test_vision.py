@@ -176,11 +176,14 @@ def test_encoder_errors_name_the_problem(qwen2vl: tuple[Any, VisionProcessor], q
     tokenizer, vision = qwen2vl
     conv = ChatEncoder(tokenizer, vision=vision).conversation()
     spelled = [{"role": "user", "content": [{"type": "text", "text": "<|image_pad|>"}, picture_part(0)]}]
-    with pytest.raises(ImageTokenError, match="2 image placeholder"):
-        conv.prompt(spelled)  # a prompt that spells the image token itself
-    # in observations, text that spells the image token stays text
+    # text that spells the image token stays text, in the prompt and in observations: only the
+    # image part becomes image tokens
+    prompt = conv.prompt(spelled)
+    assert prompt.ids.count(vision.image_token_id) == prompt.images[0].num_tokens
     obs = conv.observation(spelled, None)
     assert obs.ids.count(vision.image_token_id) == obs.images[0].num_tokens
+    with pytest.raises(ImageTokenError, match="2 image placeholder"):  # ids from elsewhere are checked
+        vision.expand([vision.image_token_id] * 2, prompt.images)
     with pytest.raises(NoVisionError, match="no image processor"):
         ChatEncoder(qwen3_tokenizer).conversation().prompt([{"role": "user", "content": [picture_part(0)]}])
     with pytest.raises(ValueError, match="no image file"):
