@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the corpus lives with the tests
 
-from template_corpus import FAMILIES, Family, tokenizer_for
+from template_corpus import FAMILIES, tokenizer_for
 
 from turnrl.chat import ChatEncoder
 from turnrl.chat.probe import call_id
@@ -41,7 +41,7 @@ def outcome(report: TemplateReport, scenario: str) -> str:
     return f"ok ({expected} expected)" if expected else "ok"
 
 
-def paths(encoder: ChatEncoder, family: Family) -> str:
+def paths(encoder: ChatEncoder) -> str:
     try:
         probe = encoder.probe(DEFAULT_TOOLS)
     except ChatTemplateError:
@@ -86,7 +86,7 @@ def main() -> None:
         row = [
             family.name,
             "yes" if family.real else "stand-in",
-            paths(encoder, family),
+            paths(encoder),
             *(outcome(report, s) for s in SCENARIOS),
             short,
             *("raises" if c is None else f"{c:.3f}" for c in costs),

@@ -12,7 +12,7 @@ from template_corpus import BY_NAME, FAMILIES, TEMPLATES, tokenizer_for
 
 from turnrl.chat import ChatEncoder
 from turnrl.chat.probe import call_id
-from turnrl.chat.report import DEFAULT_TOOLS, check_template
+from turnrl.chat.report import DEFAULT_TOOLS, check_template, end_of_turn_ids
 from turnrl.chat.template import ChatTemplateError
 from turnrl.engines import ScriptedEngine
 from turnrl.rollout.limits import Limits
@@ -106,7 +106,7 @@ def test_content_spelling_the_familys_control_tokens_stays_text(name: str) -> No
     prompt = [{"role": "user", "content": "hi"}]
     in_prompt = [conv.encode_prompt([{"role": "user", "content": text}]) for text in (forged, plain)]
     assert _special_count(encoder, in_prompt[0]) == _special_count(encoder, in_prompt[1])
-    eot = _end_of_turn(encoder, DEFAULT_TOOLS if family.needs_tools else None)
+    eot = end_of_turn_ids(encoder, DEFAULT_TOOLS if family.needs_tools else None)
     last = encoder.template.decode(eot[-1:]) if eot else None
     roles = ["user", "tool"] if family.tools else ["user"]
     for role in roles:
@@ -127,16 +127,11 @@ def test_content_spelling_the_familys_control_tokens_stays_text(name: str) -> No
         assert _special_count(encoder, with_controls) == _special_count(encoder, without), (role, family.name)
 
 
-def _end_of_turn(encoder: ChatEncoder, tools: Any = None) -> list[int]:
-    close = encoder.probe(tools).assistant_close.strip()
-    return encoder.template.encode(close) if close else []
-
-
 def _stop_token(encoder: ChatEncoder) -> int:
     """The token a model of the family ends its turn with: the template's end-of-turn token, or
     for templates that close a turn with the next role's header (GLM), that header's first token."""
-    eot = _end_of_turn(encoder) or encoder.template.encode(encoder.probe(None).shapes["user"].lead.strip())
-    return eot[-1] if _end_of_turn(encoder) else eot[0]
+    eot = end_of_turn_ids(encoder, None)
+    return eot[-1] if eot else encoder.template.encode(encoder.probe(None).shapes["user"].lead.strip())[0]
 
 
 @pytest.mark.parametrize("name", NAMES)

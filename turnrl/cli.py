@@ -190,7 +190,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     (asyncio's, which cancels the running command) rather than raising SIGINT, which a process
     started in the background of a script ignores."""
     handler = signal.getsignal(signal.SIGINT)
-    if callable(handler) and handler is not _on_sigterm:
+    if callable(handler):
         handler(signal.SIGINT, frame)
     else:  # SIGINT ignored (or left to the OS): stop all the same
         raise KeyboardInterrupt

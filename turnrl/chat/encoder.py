@@ -11,6 +11,7 @@ from turnrl.chat.check import CheckMode, CheckResult, compare
 from turnrl.chat.probe import (
     ASSISTANT_MARK,
     TemplateProbe,
+    Tools,
     assistant_message,
     probe_template,
 )
@@ -20,8 +21,6 @@ from turnrl.vision.content import has_images, is_image_part, normalize_images, t
 
 if TYPE_CHECKING:
     from turnrl.vision.processor import ImageInput, VisionProcessor
-
-Tools = Sequence[dict[str, Any]] | None
 
 
 class NoVisionError(ValueError):

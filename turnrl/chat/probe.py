@@ -23,6 +23,10 @@ BASE_SYSTEM = "You are a helpful assistant."
 BASE_USER = "I am a user."
 
 
+Tools = Sequence[dict[str, Any]] | None
+"""A tool list as templates take it (None: no tools)."""
+
+
 def _mark(i: int) -> str:
     return f"OBS-MARK-{i}-q7"
 
@@ -73,6 +77,11 @@ class TemplateProbe:
     generation_prompt: str = ""  # what add_generation_prompt appends
     image_placeholders: dict[str, str] = field(default_factory=dict)  # role -> text one image part renders as
     base: list[Message] = field(default_factory=base_messages)  # the fixed conversation observations follow
+
+    def prompt(self, messages: Sequence[Message]) -> list[Message]:
+        """``messages`` without their system message when the template has no system role."""
+        return list(messages) if len(self.base) > 1 else [m for m in messages if m.get("role") != "system"]
+
     reply_prefix: str = ""  # what a model writes before its content (Functionary's recipient "all\n")
 
     @property
@@ -104,9 +113,6 @@ def _tail_after(text: str, mark: str) -> str:
     if text.count(mark) != 1:
         raise ChatTemplateError(f"the template rendered the probe marker {mark!r} {text.count(mark)} times")
     return text.split(mark, 1)[1]
-
-
-Tools = Sequence[dict[str, Any]] | None
 
 
 def _render_tail(tpl: ChatTemplate, tools: Tools, obs: list[Message], gen: bool, base: list[Message]) -> str:

@@ -95,8 +95,7 @@ def simulate(encoder: ChatEncoder, tools: Tools, script: Script, prompt: list[Me
     """Encode a scripted conversation as the rollout does: model replies as tokens (the replies
     tokenized alone, as a model may sample them), observations as deltas."""
     conv = encoder.conversation(tools)
-    if len(conv.probe.base) == 1:  # the template has no system role
-        prompt = [m for m in prompt if m.get("role") != "system"]
+    prompt = conv.probe.prompt(prompt)
     eot = end_of_turn_ids(encoder, tools)
     out = Simulated(conv.encode_prompt(prompt), [], [], list(prompt), None)
     prefix = conv.probe.reply_prefix  # e.g. Functionary's recipient line, which its model writes
@@ -186,8 +185,7 @@ def report_for(encoder: ChatEncoder, model: str, tools: Tools = None) -> Templat
 def _dropped_tools(encoder: ChatEncoder, tools: Tools) -> list[str]:
     """A warning when the rendered prompt does not name every tool it was given."""
     names = [str(t.get("function", t).get("name", "")) for t in tools or []]
-    prompt = [m for m in PROMPT if m["role"] != "system" or len(encoder.probe(tools).base) > 1]
-    text = encoder.template.render(prompt, tools, True)
+    text = encoder.template.render(encoder.probe(tools).prompt(PROMPT), tools, True)
     missing = [n for n in names if n and n not in text]
     if not missing:
         return []

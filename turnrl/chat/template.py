@@ -34,7 +34,7 @@ class ChatTemplate:
 
             self._literal_backend = Tokenizer.from_str(self._backend.to_str())
             self._literal_backend.encode_special_tokens = True
-        added = {i: t for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items()}
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         control = {i: str(t.content) for i, t in added.items() if getattr(t, "special", False)}
         # control tokens: the named specials and every added token marked special (<|eot_id|>,
         # <|end|>, <|turn>: not among all_special_tokens), never made from content's text
