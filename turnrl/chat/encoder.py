@@ -8,13 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from turnrl.chat.check import CheckMode, CheckResult, compare
-from turnrl.chat.probe import (
-    ASSISTANT_MARK,
-    TemplateProbe,
-    Tools,
-    assistant_message,
-    probe_template,
-)
+from turnrl.chat.probe import TemplateProbe, Tools, probe_template, render_after_turn
 from turnrl.chat.template import ChatTemplate
 from turnrl.types import Message
 from turnrl.vision.content import has_images, is_image_part, normalize_images, text_parts
@@ -173,10 +167,12 @@ class ConversationEncoder:
         return self._encode_after(pieces, last_token_text)
 
     def _encode_slow(self, messages: Sequence[Message], last_token_text: str | None) -> list[int]:
-        """Render the fixed base + a placeholder assistant turn + the messages; keep the tail."""
+        """Render the fixed base + the model turn (the calls of these tool results, or a placeholder)
+        + the messages; keep what follows the model turn."""
         self.slow_turns += 1
-        full = [*self.probe.base, assistant_message(ASSISTANT_MARK), *messages]
-        tail = self.template.render(full, self.tools, True).split(ASSISTANT_MARK, 1)[1]
+        tools_only = all(m.get("role") == "tool" for m in messages)
+        close = self.probe.turn_close("tool") if tools_only else None
+        tail = render_after_turn(self.template, self.tools, self.probe.base, messages, True, close)
         tail = self._after_model(tail, last_token_text)
         contents = [c for m in messages for c in text_parts(m.get("content"))]
         return self._encode_after(_content_pieces(tail, contents), last_token_text)

@@ -10,6 +10,7 @@ turn); the others fall back to rendering a fixed base conversation each turn.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -19,6 +20,7 @@ from turnrl.types import Message
 
 ASSISTANT_MARK = "ASSISTANT-MARK-q7"
 REASONING_MARK = "REASONING-MARK-q7"
+CALL_MARK = "CALL-MARK-q7"
 BASE_SYSTEM = "You are a helpful assistant."
 BASE_USER = "I am a user."
 
@@ -83,6 +85,12 @@ class TemplateProbe:
         return list(messages) if len(self.base) > 1 else [m for m in messages if m.get("role") != "system"]
 
     reply_prefix: str = ""  # what a model writes before its content (Functionary's recipient "all\n")
+    native_calls: bool = False  # tool results render after the assistant turn that called them
+
+    def turn_close(self, role: str) -> str | None:
+        """``render_after_turn``'s ``close`` for observations of ``role``: tool results follow the
+        turn that called them, when the template renders them so."""
+        return self.assistant_close if role == "tool" and self.native_calls else None
 
     @property
     def rewrites_reasoning(self) -> bool:
@@ -106,6 +114,8 @@ class TemplateProbe:
             lines.append("drops the reasoning of earlier turns from later renders (rollout keeps it)")
         if self.injects_empty_think:
             lines.append("adds an empty <think></think> block to a final assistant turn that had none")
+        if not self.native_calls:
+            lines.append("tool results: rendered after a plain assistant turn (not after a tool-call turn)")
         return lines
 
 
@@ -115,37 +125,106 @@ def _tail_after(text: str, mark: str) -> str:
     return text.split(mark, 1)[1]
 
 
-def _render_tail(tpl: ChatTemplate, tools: Tools, obs: list[Message], gen: bool, base: list[Message]) -> str:
-    messages = [*base, assistant_message(ASSISTANT_MARK), *obs]
-    return _tail_after(tpl.render(messages, tools, gen), ASSISTANT_MARK)
+def call_turn(observation: Sequence[Message], arguments: Any = None) -> Message:
+    """The assistant turn that asked for ``observation``'s tool messages: one call per message, with
+    its name and id, marked arguments, and no text (what the model wrote is already in the tokens)."""
+    calls = [
+        {
+            "id": m.get("tool_call_id", call_id(i)),
+            "type": "function",
+            "function": {"name": m.get("name") or "probe", "arguments": arguments or {"probe": CALL_MARK}},
+        }
+        for i, m in enumerate(observation)
+        if m.get("role") == "tool"
+    ]
+    return {"role": "assistant", "content": "", "tool_calls": calls}
 
 
-def _probe_role(tpl: ChatTemplate, tools: Tools, role: str, base: list[Message]) -> RoleShape | str:
-    """The role's shape, or the reason it has none."""
+def turn_end(tpl: ChatTemplate, rendered: str, close: str) -> int:
+    """Where the model's part of a final assistant turn ends in ``rendered``: before the template's
+    close of a plain turn, or before the part of it that follows a control token (Command-R closes
+    a call with ``<|END_ACTION|>`` where it closes text with ``<|END_RESPONSE|>``), else before the
+    turn's last control token (gpt-oss ends a call with ``<|call|>``, Gemma 4 with
+    ``<|tool_response>``: the model samples it and stops)."""
+    if rendered.endswith(close):
+        return len(rendered) - len(close)
+    for start in tpl.special_starts(close):
+        if start and rendered.endswith(close[start:]):
+            return len(rendered) - len(close) + start
+    starts = tpl.special_starts(rendered)
+    return starts[-1] if starts else len(rendered)
+
+
+def render_after_turn(
+    tpl: ChatTemplate,
+    tools: Tools,
+    base: Sequence[Message],
+    observation: Sequence[Message],
+    generation_prompt: bool,
+    close: str | None = None,
+) -> str:
+    """The template's text after a model turn and before, through and after ``observation``.
+
+    With ``close`` (the template's close of a final plain assistant turn), the model turn is the
+    one that called the observation's tools (``call_turn``), and the text starts where that turn's
+    model part ends: templates that render a tool result only after its call (Gemma 4, gpt-oss) or
+    close a call turn with a token of their own are seen as a rollout sees them. Without, the model
+    turn is a plain marked message.
+    """
+    if close is None:
+        messages = [*base, assistant_message(ASSISTANT_MARK), *observation]
+        return _tail_after(tpl.render(messages, tools, generation_prompt), ASSISTANT_MARK)
     try:
-        tails = [
-            _render_tail(tpl, tools, [observation_message(role, _mark(i), i) for i in range(k)], True, base)
-            for k in (1, 2, 3)
-        ]
+        turn = call_turn(observation)
+        alone = tpl.render([*base, turn], tools, False)
+    except ChatTemplateError:  # a template that takes arguments only as a JSON string (Functionary)
+        turn = call_turn(observation, json.dumps({"probe": CALL_MARK}))
+        alone = tpl.render([*base, turn], tools, False)
+    full = tpl.render([*base, turn, *observation], tools, generation_prompt)
+    end = turn_end(tpl, alone, close)
+    # the model part ends the same way in both renders, counted from the last call's arguments
+    # (before them a template may rewrite a final turn: Qwen3 adds an empty <think> block)
+    mark, at = alone.rfind(CALL_MARK, 0, end), full.rfind(CALL_MARK)
+    if mark >= 0 and at >= 0 and full.startswith(alone[mark:end], at):
+        return full[at + end - mark :]
+    if mark < 0 and full.startswith(alone[:end]):  # a template that does not render the calls
+        return full[end:]
+    raise ChatTemplateError("the template renders a tool-call turn differently when its results follow")
+
+
+def _probe_role(
+    tpl: ChatTemplate, tools: Tools, role: str, base: list[Message], close: str | None
+) -> RoleShape | str:
+    """The role's shape, or the reason it has none (``close``: see ``render_after_turn``)."""
+
+    def render(obs: list[Message]) -> str:
+        return render_after_turn(tpl, tools, base, obs, True, close)
+
+    try:
+        tails = [render([observation_message(role, _mark(i), i) for i in range(k)]) for k in (1, 2, 3)]
+        odd = "\n  " + _mark(0) + " \n"
+        odd_tail = render([observation_message(role, odd)])
+        other = cast(
+            Message, dict(observation_message(role, _mark(0)), name="other", tool_call_id=call_id(9))
+        )
+        other_tail = render([other])
     except ChatTemplateError as exc:
         return str(exc)
     first = tails[0]
     if first.count(_mark(0)) != 1:
         return "content is not rendered verbatim"
-    lead, close = first.split(_mark(0))
+    lead, after = first.split(_mark(0))
     second = tails[1][len(lead) + len(_mark(0)) :]
     if not tails[1].startswith(lead + _mark(0)) or _mark(1) not in second:
         return "the first message renders differently when another follows"
     between = second.split(_mark(1))[0]
-    shape = RoleShape(role, lead, between, close)
+    shape = RoleShape(role, lead, between, after)
     for k, tail in enumerate(tails, start=1):
         if tail != _assemble(shape, [_mark(i) for i in range(k)]):
             return f"{k} consecutive messages do not render as lead/between/close"
-    odd = "\n  " + _mark(0) + " \n"
-    if _render_tail(tpl, tools, [observation_message(role, odd)], True, base) != _assemble(shape, [odd]):
+    if odd_tail != _assemble(shape, [odd]):
         return "content is trimmed or escaped by the template"
-    other = cast(Message, dict(observation_message(role, _mark(0)), name="other", tool_call_id=call_id(9)))
-    if role == "tool" and _render_tail(tpl, tools, [other], True, base) != first:
+    if role == "tool" and other_tail != first:
         return "rendering depends on the tool name or call id"
     return shape
 
@@ -174,19 +253,22 @@ def probe_template(tpl: ChatTemplate, tools: Tools = None) -> TemplateProbe:
     """Probe ``tpl`` with ``tools`` in the system prompt."""
     base = base_messages()
     try:
-        closing = _render_tail(tpl, tools, [], False, base)
+        closing = render_after_turn(tpl, tools, base, [], False)
     except ChatTemplateError:  # a template without a system role (Gemma's raises on one)
         base = base_messages(system=False)
-        closing = _render_tail(tpl, tools, [], False, base)
-    with_prompt = _render_tail(tpl, tools, [], True, base)
-    probe = TemplateProbe(assistant_close=closing, generation_prompt=with_prompt[len(closing) :], base=base)
+        closing = render_after_turn(tpl, tools, base, [], False)
+    prompt, history = tpl.render(base, tools, True), tpl.render(base, tools, False)
+    generation_prompt = prompt[len(history) :] if prompt.startswith(history) else ""
+    probe = TemplateProbe(assistant_close=closing, generation_prompt=generation_prompt, base=base)
+    probe.native_calls = _renders_results_after_calls(tpl, tools, base, closing)
     for role in ("tool", "user"):
-        shape = _probe_role(tpl, tools, role, base)
+        close = probe.turn_close(role)
+        shape = _probe_role(tpl, tools, role, base, close)
         if isinstance(shape, RoleShape):
             probe.shapes[role] = shape
         else:
             probe.slow_roles[role] = shape
-        placeholder = _probe_image(tpl, tools, role, base)
+        placeholder = _probe_image(tpl, tools, role, base, close)
         if placeholder is not None:
             probe.image_placeholders[role] = placeholder
     probe.drops_past_reasoning, probe.injects_empty_think = _probe_reasoning(tpl, tools, base)
@@ -205,20 +287,36 @@ def _reply_prefix(tpl: ChatTemplate, tools: Tools, base: list[Message]) -> str:
     return "" if "<think>" in prefix else prefix
 
 
-def _probe_image(tpl: ChatTemplate, tools: Tools, role: str, base: list[Message]) -> str | None:
+def _renders_results_after_calls(tpl: ChatTemplate, tools: Tools, base: list[Message], close: str) -> bool:
+    """Whether the template renders a tool result after the turn that called it, as it comes."""
+    try:
+        tails = [
+            render_after_turn(
+                tpl, tools, base, [observation_message("tool", _mark(i), i) for i in range(k)], True, close
+            )
+            for k in (1, 2)
+        ]
+    except ChatTemplateError:  # Llama 3.x renders one call per turn only
+        return False
+    return all(tail.count(_mark(0)) == 1 for tail in tails)
+
+
+def _probe_image(
+    tpl: ChatTemplate, tools: Tools, role: str, base: list[Message], close: str | None
+) -> str | None:
     """The text an image part renders as in a ``role`` message, when list content renders like the
     same text as a string (so the fast path can flatten it); None when the template has no images."""
     parts = [{"type": "text", "text": _mark(0)}, {"type": "image"}, {"type": "text", "text": _mark(1)}]
     try:
-        listed = _render_tail(
-            tpl, tools, [cast(Message, dict(observation_message(role, ""), content=parts))], True, base
+        listed = render_after_turn(
+            tpl, tools, base, [cast(Message, dict(observation_message(role, ""), content=parts))], True, close
         )
     except ChatTemplateError:
         return None
     if listed.count(_mark(0)) != 1 or listed.count(_mark(1)) != 1:
         return None
     placeholder = listed.split(_mark(0), 1)[1].split(_mark(1), 1)[0]
-    flat = _render_tail(
-        tpl, tools, [observation_message(role, _mark(0) + placeholder + _mark(1))], True, base
+    flat = render_after_turn(
+        tpl, tools, base, [observation_message(role, _mark(0) + placeholder + _mark(1))], True, close
     )
     return placeholder if placeholder and flat == listed else None

@@ -79,6 +79,10 @@ class ChatTemplate:
         """Whether ``text`` spells any special token."""
         return self._special_re is not None and self._special_re.search(text) is not None
 
+    def special_starts(self, text: str) -> list[int]:
+        """Where each special-token spelling in ``text`` starts."""
+        return [m.start() for m in self._special_re.finditer(text)] if self._special_re else []
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens included."""
         if self._backend is not None:
