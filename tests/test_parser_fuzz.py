@@ -82,7 +82,7 @@ def turns(name: str, reasoning: bool) -> st.SearchStrategy[str]:
 def well_formed(result: ParseResult) -> list[tuple[str, dict[str, Any]]]:
     """The calls of a result, after checking what every result must be."""
     assert all(isinstance(e, str) and e for e in result.errors)
-    assert [c.id for c in result.calls] == [f"call_{i}" for i in range(len(result.calls))]
+    assert [c.id for c in result.calls] == [f"call{i:05d}" for i in range(len(result.calls))]
     assert all(isinstance(c.name, str) and c.name and isinstance(c.arguments, dict) for c in result.calls)
     assert isinstance(result.content, str)
     return [(c.name, c.arguments) for c in result.calls]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from turnrl.tools import PARSERS, get_parser, strip_reasoning
@@ -49,7 +51,7 @@ def test_hermes_well_formed() -> None:
     assert result.errors == []
     assert result.content == "Let me compute."
     (call,) = result.calls
-    assert (call.name, call.arguments, call.id) == ("calc", {"expression": "1 + 2"}, "call_0")
+    assert (call.name, call.arguments, call.id) == ("calc", {"expression": "1 + 2"}, "call00000")
     assert call.raw.startswith("<tool_call>") and call.raw.endswith("</tool_call>")
 
 
@@ -57,9 +59,9 @@ def test_hermes_several_calls_and_string_arguments() -> None:
     text = _hermes("a", '{"x": 1}') + "\n" + _hermes("b", '"{\\"y\\": [1, 2]}"') + _hermes("c", "{}")
     result = get_parser("qwen").parse(text)
     assert [(c.name, c.arguments, c.id) for c in result.calls] == [
-        ("a", {"x": 1}, "call_0"),
-        ("b", {"y": [1, 2]}, "call_1"),
-        ("c", {}, "call_2"),
+        ("a", {"x": 1}, "call00000"),
+        ("b", {"y": [1, 2]}, "call00001"),
+        ("c", {}, "call00002"),
     ]
     assert result.errors == [] and result.content == ""
 
@@ -104,7 +106,7 @@ def test_hermes_malformed(text: str, error: str) -> None:
 def test_hermes_mixes_good_and_bad_calls() -> None:
     text = _hermes("a", "{}") + '<tool_call>{"name": }</tool_call>' + _hermes("b", "{}")
     result = get_parser("hermes").parse(text)
-    assert [(c.name, c.id) for c in result.calls] == [("a", "call_0"), ("b", "call_1")]
+    assert [(c.name, c.id) for c in result.calls] == [("a", "call00000"), ("b", "call00001")]
     assert len(result.errors) == 1
 
 
@@ -127,15 +129,15 @@ def test_qwen3_coder_well_formed_with_typed_values() -> None:
     (call,) = result.calls
     assert call.name == "get_weather"
     assert call.arguments == {"city": "Paris", "days": 3, "units": ["c", "f"], "note": "two\nlines"}
-    assert call.id == "call_0"
+    assert call.id == "call00000"
 
 
 def test_qwen3_coder_several_calls_and_reasoning() -> None:
     text = "<think>" + _coder("hidden") + "</think>" + _coder("a", x="1") + "\n" + _coder("b")
     result = get_parser("qwen3_coder").parse(text)
     assert [(c.name, c.arguments, c.id) for c in result.calls] == [
-        ("a", {"x": 1}, "call_0"),
-        ("b", {}, "call_1"),
+        ("a", {"x": 1}, "call00000"),
+        ("b", {}, "call00001"),
     ]
 
 
@@ -164,7 +166,12 @@ def test_qwen3_coder_malformed(text: str, error: str) -> None:
 def test_llama3_json_well_formed() -> None:
     text = '{"name": "calc", "parameters": {"expression": "2 * 3"}}'
     (call,) = get_parser("llama3_json").parse(text).calls
-    assert (call.name, call.arguments, call.id, call.raw) == ("calc", {"expression": "2 * 3"}, "call_0", text)
+    assert (call.name, call.arguments, call.id, call.raw) == (
+        "calc",
+        {"expression": "2 * 3"},
+        "call00000",
+        text,
+    )
 
 
 def test_llama3_json_python_tag_and_several_calls() -> None:
@@ -174,8 +181,8 @@ def test_llama3_json_python_tag_and_several_calls() -> None:
     )
     result = get_parser("llama3_json").parse(text)
     assert [(c.name, c.arguments, c.id) for c in result.calls] == [
-        ("a", {"q": "x; y"}, "call_0"),
-        ("b", {"n": 2}, "call_1"),
+        ("a", {"q": "x; y"}, "call00000"),
+        ("b", {"n": 2}, "call00001"),
     ]
     assert result.errors == [] and result.content == "Sure."
 
@@ -205,3 +212,87 @@ def test_llama3_json_keeps_good_calls_before_a_bad_one() -> None:
     result = get_parser("llama3_json").parse('{"name": "a", "parameters": {}}; {"name": "b", ')
     assert [c.name for c in result.calls] == ["a"]
     assert len(result.errors) == 1
+
+
+# each family's own format, as its real chat template renders it (tests/template_corpus.py)
+
+CALLS = [
+    ("search", {"query": 'café "quoted" a<b', "limit": 3}),
+    ("calculator", {"expression": "17 * 23", "opts": {"exact": True, "digits": [1, 2]}}),
+]
+FAMILY_PARSERS = {
+    "qwen3": "hermes", "qwen2.5": "hermes", "qwq": "hermes", "hermes-3": "hermes", "granite-4.0": "hermes",
+    "qwen3-coder": "qwen3_coder", "qwen3.5": "qwen3_coder", "seed-oss": "seed_oss",
+    "llama-3.1": "llama3_json", "llama-3.2": "llama3_json", "functionary-3.2": "functionary",
+    "mistral-nemo": "mistral", "mistral-small-3.2": "mistral", "devstral": "mistral",
+    "deepseek-r1-qwen": "deepseek_v3", "deepseek-v3.1": "deepseek_v3", "deepseek-v3.2": "deepseek_v32",
+    "glm-4.6": "glm45", "gpt-oss": "harmony", "gemma-4": "gemma4", "granite-3.3": "granite",
+    "kimi-k2": "kimi_k2", "minimax-m2": "minimax_m2", "nemotron-nano-v2": "nemotron",
+    "lfm2": "lfm2", "command-r7b": "command_r",
+}  # fmt: skip
+# templates that render no tool calls in history: their models' documented format instead
+DOCUMENTED = {
+    "granite-3.3": "<|tool_call|>" + json.dumps([{"name": n, "arguments": a} for n, a in CALLS]),
+    "lfm2": '<|tool_call_start|>[search(query="café \\"quoted\\" a<b", limit=3), '
+    'calculator(expression="17 * 23", opts={"exact": True, "digits": [1, 2]})]<|tool_call_end|>Let me look.',
+}
+
+
+ONE_CALL = {"llama-3.1", "llama-3.2", "gpt-oss"}  # templates that render one call per turn
+# templates that move the text beside the calls into a turn of its own (DeepSeek-R1 distills),
+# before a second turn header (Nemotron) or into the reasoning channel (gpt-oss): no content to check
+TEXT_ELSEWHERE = {"deepseek-r1-qwen", "nemotron-nano-v2", "gpt-oss"}
+
+
+def _family_reply(name: str) -> tuple[str, list[tuple[str, dict[str, object]]]]:
+    """The family's template's own text for an assistant turn with text and two calls (one call for
+    Llama 3.x, whose template takes one per turn), and the calls it holds."""
+    from template_corpus import BY_NAME, tokenizer_for
+
+    from turnrl.chat import ChatEncoder
+    from turnrl.chat.probe import reply_text
+    from turnrl.chat.report import DEFAULT_TOOLS
+
+    encoder = ChatEncoder(tokenizer_for(BY_NAME[name]))
+    probe = encoder.probe(DEFAULT_TOOLS)
+    calls = CALLS[:1] if name in ONE_CALL else CALLS
+    for as_text in (False, True):  # arguments as a mapping, or as a JSON string (Functionary)
+        message = {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {
+                    "id": f"call{i:05d}",
+                    "type": "function",
+                    "function": {"name": n, "arguments": json.dumps(a) if as_text else a},
+                }
+                for i, (n, a) in enumerate(calls)
+            ],
+        }
+        try:
+            return reply_text(
+                encoder.template, DEFAULT_TOOLS, probe.base, message, probe.assistant_close
+            ), calls
+        except ValueError:
+            continue
+    raise AssertionError(f"{name}: the template renders no assistant turn with tool calls")
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_PARSERS))
+def test_each_familys_parser_reads_back_the_calls_its_own_template_renders(name: str) -> None:
+    from template_corpus import BY_NAME
+
+    from turnrl.tools.parsers import parser_for_template
+
+    assert parser_for_template(BY_NAME[name].text) == FAMILY_PARSERS[name]
+    text, calls = _family_reply(name)
+    if name in DOCUMENTED:
+        assert "search" not in text, f"{name} renders its calls now: test them instead"
+        text = DOCUMENTED[name]
+    result = get_parser(FAMILY_PARSERS[name]).parse(text)
+    assert result.errors == [], (name, text)
+    assert [(c.name, c.arguments) for c in result.calls] == calls, (name, text)
+    assert [c.id for c in result.calls] == [f"call{i:05d}" for i in range(len(calls))]
+    assert "search" not in result.content and "calculator" not in result.content, (name, result.content)
+    if "Let me look." in text and name not in TEXT_ELSEWHERE:  # the text beside the calls, where kept
+        assert result.content == "Let me look.", (name, text, result.content)

@@ -83,11 +83,11 @@ async def test_tool_call_gives_a_tool_message() -> None:
     result = await env.step("Let me compute. " + call("calculator", expression="6 * 7"))
     assert not result.done
     assert result.observation == [
-        {"role": "tool", "name": "calculator", "tool_call_id": "call_0", "content": "42"}
+        {"role": "tool", "name": "calculator", "tool_call_id": "call00000", "content": "42"}
     ]
     assert env.format_observation(result.observation) == result.observation
     assert result.info["tool_calls"] == [
-        {"name": "calculator", "arguments": {"expression": "6 * 7"}, "id": "call_0"}
+        {"name": "calculator", "arguments": {"expression": "6 * 7"}, "id": "call00000"}
     ]
     assert result.info["num_tool_calls"] == 1
     assert result.info["num_tool_errors"] == 0

@@ -155,6 +155,19 @@ def turn_end(tpl: ChatTemplate, rendered: str, close: str) -> int:
     return starts[-1] if starts else len(rendered)
 
 
+def reply_text(tpl: ChatTemplate, tools: Tools, base: Sequence[Message], message: Message, close: str) -> str:
+    """What a model of the family writes for the assistant ``message`` (tool calls included): the
+    template's render of it after the generation prompt (or after the turn's header as history
+    renders it, for a prompt that history does not repeat) and before the turn's end."""
+    full = tpl.render([*base, message], tools, False)
+    prompt = tpl.render(base, tools, True)
+    if not full.startswith(prompt):
+        marked = tpl.render([*base, assistant_message(ASSISTANT_MARK)], tools, False)
+        header = marked.split(ASSISTANT_MARK, 1)[0]
+        prompt = header if full.startswith(header) else tpl.render(base, tools, False)
+    return full[len(prompt) : turn_end(tpl, full, close)]
+
+
 def render_after_turn(
     tpl: ChatTemplate,
     tools: Tools,

@@ -86,7 +86,7 @@ class ToolEnv(Env):
                 f"{len(skipped)} more tool calls in this turn were not run (max {self.max_calls_per_turn})"
             )
             messages.append(_tool_message(skipped[0].name, skipped[0].id, f"Error: {limit}"))
-        messages += [_tool_message("", f"error_{i}", f"Error: {e}") for i, e in enumerate(parsed.errors)]
+        messages += [_tool_message("", f"error{i:04d}", f"Error: {e}") for i, e in enumerate(parsed.errors)]
         info = {
             "tool_calls": [{"name": c.name, "arguments": c.arguments, "id": c.id} for c in parsed.calls],
             "num_tool_calls": len(parsed.calls),

@@ -18,7 +18,7 @@ class ToolCall:
 
     name: str  # the function the model called
     arguments: dict[str, Any]  # its arguments, decoded
-    id: str  # stable id within the turn: call_0, call_1...
+    id: str  # stable id within the turn: call00000, call00001...
     raw: str  # the exact text of the call, tags included
 
 
@@ -29,6 +29,7 @@ class ParseResult:
     calls: list[ToolCall] = field(default_factory=list)  # well-formed calls, in text order
     errors: list[str] = field(default_factory=list)  # one human-readable line per malformed call
     content: str = ""  # visible text outside the calls (reasoning removed), stripped
+    reasoning: str = ""  # the text of the reasoning blocks (a template's reasoning_content)
 
 
 @dataclass

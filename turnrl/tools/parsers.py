@@ -1,149 +1,39 @@
-"""Tool-call parsers: find the calls in a model turn's text. One registry, one class per format.
+"""Tool-call parsers: find the calls in a model turn's text, one class per family format.
 
-Every parser ignores calls written inside the reasoning (``<think>...</think>``, everything before a
-lone ``</think>``, everything after an unclosed ``<think>``; a reasoning tag inside a call's
-arguments counts as one too, so such a call is not run) and never raises on malformed calls, JSON
-nested too deeply included: each one becomes a line in ``errors``. Parsing is one pass over the
-text, so a model repeating a tag thousands of times costs milliseconds (tests/test_parser_fuzz.py).
+The registry and the shared rules (reasoning ignored, malformed calls become error lines, one pass
+over the text) are in ``parser_base``; ``json_parsers``, ``xml_parsers`` and ``pythonic_parsers``
+hold the other families' formats. ``parser_for_template`` names the format a chat template renders.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
-from turnrl.tools.base import ParseResult, ToolCall
+from turnrl.tools import json_parsers, pythonic_parsers, xml_parsers
+from turnrl.tools.base import ToolCall
+from turnrl.tools.parser_base import (
+    PARSERS,
+    Found,
+    ToolParser,
+    blocks,
+    call_from_object,
+    get_parser,
+    loads,
+    make_call,
+    register_parser,
+    snippet,
+    split_reasoning,
+    strip_reasoning,
+    value,
+)
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION_TAG = re.compile(r"<function=([^>\n]*)(>|\n|\Z)")
 _PARAMETER_TAG = re.compile(r"<parameter=([^>\n]*)(>|\n|\Z)")
 _PYTHON_TAG = "<|python_tag|>"
 _LLAMA_END_TOKENS = ("<|eom_id|>", "<|eot_id|>")
-
-Found = ToolCall | str
-"""A parsed call, or the error line of a malformed one."""
-
-
-def strip_reasoning(text: str) -> str:
-    """Remove the reasoning: ``<think>...</think>`` blocks, text before a lone ``</think>``, and an
-    unclosed ``<think>`` with all that follows. Linear in the text (a model repeating ``<think>``
-    thousands of times costs one pass)."""
-    kept: list[str] = []
-    pos = 0
-    while True:
-        start = text.find("<think>", pos)
-        if start < 0:
-            kept.append(text[pos:])
-            break
-        kept.append(text[pos:start])
-        end = text.find("</think>", start + len("<think>"))
-        if end < 0:  # unclosed: the rest is reasoning
-            break
-        pos = end + len("</think>")
-    visible = "".join(kept)
-    if "</think>" in visible:
-        visible = visible.rsplit("</think>", 1)[1]
-    return visible
-
-
-def _loads(text: str) -> tuple[Any, str | None]:
-    """``json.loads``, or the error: malformed JSON, or JSON nested too deeply to decode."""
-    try:
-        return json.loads(text), None
-    except json.JSONDecodeError as e:
-        return None, str(e)
-    except RecursionError:
-        return None, "nested too deeply"
-
-
-class ToolParser(ABC):
-    """Finds the tool calls in one model turn."""
-
-    name: ClassVar[str] = ""
-
-    def parse(self, text: str) -> ParseResult:
-        """Parse ``text``; calls get ids ``call_0``, ``call_1``... in text order."""
-        found, content = self.find(strip_reasoning(text))
-        calls = [f for f in found if isinstance(f, ToolCall)]
-        for i, call in enumerate(calls):
-            call.id = f"call_{i}"
-        errors = [f for f in found if isinstance(f, str)]
-        return ParseResult(calls=calls, errors=errors, content=content.strip())
-
-    @abstractmethod
-    def find(self, visible: str) -> tuple[list[Found], str]:
-        """Return the calls and errors in text order, and the text outside the calls."""
-
-
-PARSERS: dict[str, type[ToolParser]] = {}
-"""Parser classes by name, aliases included."""
-
-
-def register_parser(*names: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    """Class decorator: register a parser under one or more names."""
-
-    def register(cls: type[ToolParser]) -> type[ToolParser]:
-        cls.name = cls.name or names[0]
-        for name in names:
-            PARSERS[name] = cls
-        return cls
-
-    return register
-
-
-def get_parser(name: str) -> ToolParser:
-    """A new parser of the format ``name`` (see ``PARSERS``)."""
-    if name not in PARSERS:
-        raise ValueError(f"unknown tool parser '{name}'; available: {', '.join(sorted(PARSERS))}")
-    return PARSERS[name]()
-
-
-def _tagged_blocks(visible: str, parse_block: Callable[[str, str], list[Found]]) -> tuple[list[Found], str]:
-    """Split ``visible`` on ``<tool_call>...</tool_call>`` blocks; an unclosed last block is an error.
-    One pass with ``str.find``: a regex would rescan the tail from every unclosed ``<tool_call>``."""
-    found: list[Found] = []
-    content: list[str] = []
-    pos = 0
-    while True:
-        start = visible.find(_OPEN, pos)
-        if start < 0:
-            content.append(visible[pos:])
-            break
-        content.append(visible[pos:start])
-        end = visible.find(_CLOSE, start + len(_OPEN))
-        if end < 0:
-            found.append(f"unclosed <tool_call> tag: {_snippet(visible[start:])}")
-            break
-        found.extend(parse_block(visible[start + len(_OPEN) : end], visible[start : end + len(_CLOSE)]))
-        pos = end + len(_CLOSE)
-    return found, "".join(content)
-
-
-def _call_from_object(obj: Any, raw: str, where: str) -> Found:
-    """A ToolCall from ``{"name": ..., "arguments"|"parameters": {...} or a JSON string}``."""
-    if not isinstance(obj, dict):
-        return f"{where} must hold a JSON object, got {type(obj).__name__}: {_snippet(raw)}"
-    name = obj.get("name")
-    if not isinstance(name, str) or not name.strip():
-        return f'{where} has no "name": {_snippet(raw)}'
-    arguments = obj.get("arguments", obj.get("parameters"))
-    if isinstance(arguments, str):
-        arguments, error = _loads(arguments) if arguments.strip() else ({}, None)
-        if error:
-            return f"invalid JSON in the arguments of tool call '{name}': {error}"
-    if arguments is None:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        return f"the arguments of tool call '{name}' must be a JSON object, got {type(arguments).__name__}"
-    return ToolCall(name=name.strip(), arguments=arguments, id="", raw=raw)
-
-
-def _snippet(text: str, limit: int = 120) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @register_parser("hermes", "qwen", "qwen3", "qwen2_5")
@@ -152,14 +42,14 @@ class HermesParser(ToolParser):
 
     def find(self, visible: str) -> tuple[list[Found], str]:
         """Each ``<tool_call>`` block holds one JSON call."""
-        return _tagged_blocks(visible, self._parse_block)
+        return blocks(visible, _OPEN, _CLOSE, self._parse_block)
 
     @staticmethod
     def _parse_block(body: str, raw: str) -> list[Found]:
-        obj, error = _loads(body)
+        obj, error = loads(body)
         if error:
             return [f"invalid JSON in <tool_call>: {error}"]
-        return [_call_from_object(obj, raw, "<tool_call>")]
+        return [call_from_object(obj, raw, "<tool_call>")]
 
 
 @register_parser("qwen3_coder", "qwen3_xml")
@@ -171,20 +61,20 @@ class Qwen3CoderParser(ToolParser):
 
     def find(self, visible: str) -> tuple[list[Found], str]:
         """Each ``<tool_call>`` block holds one or more ``<function=...>`` blocks."""
-        return _tagged_blocks(visible, self._parse_block)
+        return blocks(visible, _OPEN, _CLOSE, self._parse_block)
 
     def _parse_block(self, body: str, raw: str) -> list[Found]:
         functions = _function_blocks(body)
         if not functions:
             if "<function=" in body:
-                return [f"unclosed <function=...> tag in <tool_call>: {_snippet(body)}"]
-            return [f"no <function=NAME> in <tool_call>: {_snippet(body)}"]
+                return [f"unclosed <function=...> tag in <tool_call>: {snippet(body)}"]
+            return [f"no <function=NAME> in <tool_call>: {snippet(body)}"]
         return [self._call(name.strip(), inner, raw) for name, inner in functions]
 
     @staticmethod
     def _call(name: str, body: str, raw: str) -> Found:
         if not name:
-            return f"<function=> has no name: {_snippet(raw)}"
+            return f"<function=> has no name: {snippet(raw)}"
         return ToolCall(name=name, arguments=_parameters(body), id="", raw=raw)
 
 
@@ -234,10 +124,20 @@ def _parameters(body: str) -> dict[str, Any]:
 
 
 def _xml_value(text: str) -> Any:
-    """A parameter value: the text between the tags less one newline each side, JSON-decoded if it can be."""
-    text = text.removeprefix("\n").removesuffix("\n")
-    value, error = _loads(text)
-    return text if error else value
+    """A parameter value: the text between the tags less one newline each side, decoded (``value``)."""
+    return value(text.removeprefix("\n").removesuffix("\n"))
+
+
+@register_parser("seed_oss", "seed")
+class SeedOssParser(Qwen3CoderParser):
+    """Seed-OSS: Qwen3-Coder's ``<function=NAME><parameter=P>`` calls inside
+    ``<seed:tool_call>...</seed:tool_call>``, reasoning in ``<seed:think>``."""
+
+    reasoning = ("<seed:think>", "</seed:think>")
+
+    def find(self, visible: str) -> tuple[list[Found], str]:
+        """Each ``<seed:tool_call>`` block holds one or more ``<function=...>`` blocks."""
+        return blocks(visible, "<seed:tool_call>", "</seed:tool_call>", self._parse_block)
 
 
 @register_parser("llama3_json", "llama3", "llama")
@@ -274,5 +174,53 @@ class Llama3JsonParser(ToolParser):
                 reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
                 found.append(f"invalid JSON in tool call: {reason}")
                 return found, ""
-            found.append(_call_from_object(obj, body[pos:end], "tool call"))
+            found.append(call_from_object(obj, body[pos:end], "tool call"))
             pos = end
+
+
+MARKERS = [
+    ("<|tool_call>call:", "gemma4"),
+    ("<minimax:tool_call>", "minimax_m2"),
+    ("DSML", "deepseek_v32"),
+    ("tool▁calls▁begin", "deepseek_v3"),
+    ("<|tool_calls_section_begin|>", "kimi_k2"),
+    ("<|channel|>commentary", "harmony"),
+    ("<seed:tool_call>", "seed_oss"),
+    ("<arg_key>", "glm45"),
+    ("<function=", "qwen3_coder"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<TOOLCALL>", "nemotron"),
+    ("<|tool_call|>", "granite"),
+    ("<|START_ACTION|>", "command_r"),
+    ("<|tool_list_start|>", "lfm2"),
+    (">>>", "functionary"),
+    ("<tool_call>", "hermes"),
+    ("<|start_header_id|>ipython", "llama3_json"),
+]
+"""A text only one family's template holds, and that family's call format; the first found wins."""
+
+
+def parser_for_template(template: str) -> str | None:
+    """The name of the tool-call format a chat template's source renders, or None when it names
+    none of the known ones (a template without tools)."""
+    return next((name for marker, name in MARKERS if marker in template), None)
+
+
+__all__ = [
+    "PARSERS",
+    "HermesParser",
+    "Llama3JsonParser",
+    "Qwen3CoderParser",
+    "SeedOssParser",
+    "ToolCall",
+    "ToolParser",
+    "get_parser",
+    "json_parsers",
+    "make_call",
+    "parser_for_template",
+    "pythonic_parsers",
+    "register_parser",
+    "split_reasoning",
+    "strip_reasoning",
+    "xml_parsers",
+]
