@@ -3,8 +3,10 @@
 For every family of tests/template_corpus.py (real templates, paired tokenizers; see
 tests/templates/PROVENANCE.md): the path each observation role takes (fast: one tokenizer call
 on lead + content + close; slow: a re-render of a fixed base each turn), the outcome of each
-check-template scenario, and the median cost of encoding one observation (user turn and tool
-result) on the rollout's encoder. Prints a Markdown table (docs/templates.md holds its last run).
+check-template scenario (n/a: a turn the template cannot render, so no model of the family
+writes it; "expected": differences the check classifies, see docs/templates.md), and the median
+cost of encoding one observation (user turn and tool result) on the rollout's encoder. Prints a
+Markdown table (docs/templates.md holds its last run).
 
     .venv/bin/python bench/template_corpus.py [--repeats 50]
 """
@@ -20,18 +22,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the corpus lives with the tests
 
-from template_corpus import FAMILIES, tokenizer_for
+from template_corpus import FAMILIES, parser_of, tokenizer_for
 
 from turnrl.chat import ChatEncoder
 from turnrl.chat.probe import call_id
-from turnrl.chat.report import DEFAULT_TOOLS, TemplateReport, check_template
+from turnrl.chat.report import DEFAULT_TOOLS, SCENARIOS, TemplateReport, check_template
 from turnrl.chat.template import ChatTemplateError
 
-SCENARIOS = ("tool calls", "user turns", "reasoning + tools", "reasoning + user turns")
 OBSERVATION = "The calculator says 391, and the next number to add is 17."
 
 
 def outcome(report: TemplateReport, scenario: str) -> str:
+    if scenario in report.unsupported:
+        return "n/a"
     if scenario in report.errors:
         return "raises"
     result = report.results[scenario]
@@ -70,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
-    head = ["family", "own tokenizer", "paths", *SCENARIOS, "verdict", "user ms", "tool ms"]
+    head = ["family", "own tokenizer", "parser", "paths", *SCENARIOS, "verdict", "user ms", "tool ms"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     verdicts = {"SAFE": 0, "SAFE where it renders": 0, "NOT SAFE": 0}
@@ -86,6 +89,7 @@ def main() -> None:
         row = [
             family.name,
             "yes" if family.real else "stand-in",
+            parser_of(family) or "-",
             paths(encoder),
             *(outcome(report, s) for s in SCENARIOS),
             short,

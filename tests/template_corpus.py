@@ -17,10 +17,10 @@ from typing import Any
 TEMPLATES = Path(__file__).parent / "templates"
 
 # tokens a template writes as structure: <|...|>, <｜...｜>, [INST]-style, <start_of_turn>,
-# Gemma 4's <|turn> and <turn|>, Nemotron's <SPECIAL_11>, <seed:...>, MiniMax's ]~b] markers
+# Gemma 4's <|turn> and <turn|>, Nemotron's <SPECIAL_11>, <seed:...>, MiniMax's ]~b] and [e~[ markers
 CONTROL = re.compile(
     r"<\|[A-Za-z0-9_./:-]+\|>|<｜[^｜<>]+｜>|\[/?[A-Z][A-Z_]+\]|<(?:start|end)_of_turn>"
-    r"|<\|[a-z_\"]+>|<[a-z_]+\|>|<SPECIAL_\d+>|<[a-z]+:[a-z_]+>|\]~!?b[\[\]]"
+    r"|<\|[a-z_\"]+>|<[a-z_]+\|>|<SPECIAL_\d+>|<[a-z]+:[a-z_]+>|\]~!?b[\[\]]|\[e~\["
 )
 
 
@@ -34,6 +34,7 @@ class Family:
     real: bool  # the family's own tokenizer (else Qwen3's with the family's control tokens added)
     tools: bool = True  # the template renders tools and tool results
     needs_tools: bool = False  # the template raises without tools (a tool_use variant)
+    parser: str | None = None  # the family's tool-call format (None: found in the template)
 
     @property
     def text(self) -> str:
@@ -71,12 +72,19 @@ FAMILIES = [
     Family("kimi-k2", "moonshotai-Kimi-K2.jinja", "qwen3", False),
     Family("minimax-m2", "MiniMax-M2.jinja", "qwen3", False),
     Family("nemotron-nano-v2", "NVIDIA-Nemotron-Nano-v2.jinja", "qwen3", False),
-    Family("smollm3", "HuggingFaceTB-SmolLM3-3B.jinja", "qwen3", False),
+    Family("smollm3", "HuggingFaceTB-SmolLM3-3B.jinja", "qwen3", False, parser="hermes"),  # not in this copy
     Family("lfm2", "LFM2-8B-A1B.jinja", "qwen3", False),
     Family("command-r7b", "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja", "qwen3", False),
     Family("seed-oss", "ByteDance-Seed-OSS.jinja", "qwen3", False),
 ]
 BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def parser_of(family: Family) -> str | None:
+    """The family's tool-call parser: named in its template, else its model card's format."""
+    from turnrl.tools.parsers import parser_for_template
+
+    return family.parser or parser_for_template(family.text)
 
 
 def base_tokenizer(kind: str) -> Any:

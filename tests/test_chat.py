@@ -194,24 +194,31 @@ MISTRAL_LIKE = (
 )
 
 
-def test_template_that_moves_the_system_prompt_is_reported_unsafe(qwen3_tokenizer: Any) -> None:
-    """Mistral-style templates put the system prompt into the last user message: not append-only."""
+def test_template_that_moves_the_system_prompt_is_a_classified_history_rewrite(qwen3_tokenizer: Any) -> None:
+    """Mistral-style templates put the system prompt into the last user message: not append-only.
+    The rollout keeps what the engine saw at each turn; the check verifies that each turn's tokens
+    are what the template rendered then, and reports the move as a history rewrite. What is not
+    such a rewrite still counts: this template writes a space before each assistant turn in
+    history that its (missing) generation prompt never gives the model."""
     tok = copy.copy(qwen3_tokenizer)
     tok.chat_template = MISTRAL_LIKE
     result = report.report_for(ChatEncoder(tok), "mistral-like")
-    assert not result.safe
     for name in ("user turns", "tool calls"):
-        # the system prompt sits in the prompt's user message only while it is the last message
-        assert "You are a helpful assistant." in result.results[name].diff
-        assert any(h.kind == "text" for h in result.results[name].hunks)
-    assert "NOT SAFE" in result.text()
+        hunks = result.results[name].hunks
+        moved = [h for h in hunks if "You are a helpful assistant." in h.incremental + h.rerender]
+        assert moved and all(h.kind == "history_rewrite" and h.expected for h in moved)
+        assert any(h.kind == "whitespace" and not h.expected for h in hunks)
+    assert not result.safe and "NOT SAFE" in result.text()
 
 
 def test_a_model_spelling_text_in_small_tokens_is_no_mismatch(qwen3_tokenizer: Any) -> None:
     """A model forced through a grammar spells a tool call in small pieces; the re-render tokenizes
     the same text canonically, and a token diff aligns the two on pieces they happen to share (a
     ``"`` here), splitting one re-tokenized span into hunks of different text. The check joins
-    them back: same text, sampled by the model, so no mismatch; a real change still is one."""
+    them back: same text, sampled by the model, so no mismatch. Other text in the re-render of
+    sampled tokens is the template writing the model's turn its own way (``model_turn``: reported,
+    not counted: the rollout trains on what was sampled); in tokens the model did not sample, any
+    difference counts."""
     from turnrl.chat.check import compare
     from turnrl.chat.template import ChatTemplate
 
@@ -227,7 +234,11 @@ def test_a_model_spelling_text_in_small_tokens_is_no_mismatch(qwen3_tokenizer: A
     result = compare(template, spelled, canonical, "strict", False, sampled)
     assert result.ok and result.hunks and all(h.kind == "same_text" and h.expected for h in result.hunks)
     changed = head + qwen3_tokenizer.encode(text.replace("apple", "river"), add_special_tokens=False)
-    assert not compare(template, spelled, changed, "strict", False, sampled).ok
+    rewritten = compare(template, spelled, changed, "strict", False, sampled)
+    (turn,) = [h for h in rewritten.hunks if h.kind != "same_text"]
+    assert rewritten.ok and turn.kind == "model_turn" and turn.expected
+    assert "apple" in turn.incremental and "river" in turn.rerender
+    assert not compare(template, spelled, changed, "strict", False, [0] * len(spelled)).ok
     unsampled = compare(template, spelled, canonical, "strict", False, [0] * len(spelled))
     assert not unsampled.ok  # not the model's own choice: the env or the template spelled it so
 

@@ -250,7 +250,7 @@ def _family_reply(name: str) -> tuple[str, list[tuple[str, dict[str, object]]]]:
     from template_corpus import BY_NAME, tokenizer_for
 
     from turnrl.chat import ChatEncoder
-    from turnrl.chat.probe import reply_text
+    from turnrl.chat.probe import model_turn
     from turnrl.chat.report import DEFAULT_TOOLS
 
     encoder = ChatEncoder(tokenizer_for(BY_NAME[name]))
@@ -270,9 +270,8 @@ def _family_reply(name: str) -> tuple[str, list[tuple[str, dict[str, object]]]]:
             ],
         }
         try:
-            return reply_text(
-                encoder.template, DEFAULT_TOOLS, probe.base, message, probe.assistant_close
-            ), calls
+            text, _ = model_turn(encoder.template, DEFAULT_TOOLS, probe.base, message, probe.assistant_close)
+            return text, calls
         except ValueError:
             continue
     raise AssertionError(f"{name}: the template renders no assistant turn with tool calls")

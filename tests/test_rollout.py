@@ -290,3 +290,23 @@ async def test_summary_names_the_most_common_errors(qwen3_tokenizer: Any) -> Non
     top = summarize([*broken, *failed, fine])["errors/top"]
     assert list(top.values()) == [2, 1] and "server gone" in next(iter(top))
     assert broken[0].error in top
+
+
+class _ContextTurnEnv(EchoEnv):
+    """Marks its first answered model turn as context (a warm-up turn the env does not grade)."""
+
+    async def step(self, action: str) -> Any:
+        result = await super().step(action)
+        result.train_turn = self.steps != 1
+        return result
+
+
+async def test_an_env_can_make_a_model_turn_context(qwen3_tokenizer: Any) -> None:
+    engine = ScriptedEngine(qwen3_tokenizer, ["first", "second", "third"])
+    traj = await run(spec_for(engine, qwen3_tokenizer, lambda s: _ContextTurnEnv(s, done_after=3)))
+    first, second, third = [t for t in traj.turns if t.role == "assistant"]
+    assert traj.num_turns == 3 and traj.loss_mask[first.start : first.end] == [0] * (first.end - first.start)
+    assert traj.rollout_logprobs[first.start : first.end] == [0.0] * (first.end - first.start)
+    assert all(traj.loss_mask[t.start : t.end] == [1] * (t.end - t.start) for t in (second, third))
+    assert traj.metrics["tokens/env_masked"] == first.end - first.start
+    assert traj.metrics["check/ok"] is True  # the same tokens: only what is trained on changed

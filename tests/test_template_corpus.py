@@ -8,16 +8,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from template_corpus import BY_NAME, FAMILIES, TEMPLATES, tokenizer_for
+from template_corpus import BY_NAME, FAMILIES, TEMPLATES, parser_of, tokenizer_for
 
 from turnrl.chat import ChatEncoder
 from turnrl.chat.probe import call_id
 from turnrl.chat.report import DEFAULT_TOOLS, check_template, end_of_turn_ids
 from turnrl.chat.template import ChatTemplateError
 from turnrl.engines import ScriptedEngine
+from turnrl.env import ToolEnv
 from turnrl.rollout.limits import Limits
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.testing import EchoEnv
+from turnrl.tools import calculator, tool
 from turnrl.types import Sample, SamplingParams, StopReason
 
 NAMES = [f.name for f in FAMILIES]
@@ -75,11 +77,13 @@ def test_append_only_templates_match_a_full_render_in_every_scenario(name: str) 
     """Every scenario of check-template renders, and its tokens equal a full render of its messages,
     but for the <think> blocks that thinking templates drop from history by design and the scripted
     replies' own tokenization (a reply tokenized alone, as a model may sample it: Phi-3's "12"
-    alone starts with a word boundary that the same text after a newline lacks)."""
+    alone starts with a word boundary that the same text after a newline lacks) and model turns the
+    template writes its own way (Functionary's "all" recipient before a call's text). No prompt or
+    observation is rewritten later."""
     report = check_template(tokenizer(name), name=name)
     assert report.safe, report.text()
     hunks = [h for r in report.results.values() for h in r.hunks]
-    assert all(h.expected and h.kind in ("think", "same_text") for h in hunks), report.text()
+    assert all(h.expected and h.kind in ("think", "same_text", "model_turn") for h in hunks), report.text()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -166,3 +170,73 @@ async def test_a_scripted_rollout_trains_on_what_the_engine_conditioned_on(name:
     assert engine.prompts[-1] + replies[-1] == sequence
     model = [t for t, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m]
     assert model == [t for r in replies for t in r]
+
+
+TOOL_FAMILIES = [f.name for f in FAMILIES if f.tools]
+# calls in the model's documented format, for templates that render none in history, or render a
+# final call turn with an end-of-turn token inside it (DeepSeek-R1 distills, Nemotron)
+DOCUMENTED = {
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calculator\n```json\n"
+    '{{"expression": "{}"}}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "nemotron": '<TOOLCALL>[{{"name": "calculator", "arguments": {{"expression": "{}"}}}}]</TOOLCALL>',
+    "hermes": '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>',
+    "granite": '<|tool_call|>[{{"name": "calculator", "arguments": {{"expression": "{}"}}}}]',
+    "lfm2": '<|tool_call_start|>[calculator(expression="{}")]<|tool_call_end|>',
+}
+NOT_SAFE_WITH_TOOLS = {"deepseek-r1-qwen"}  # renders a second call turn's results as a continuation
+
+
+def _tool_turns(name: str, tools: list[dict[str, Any]]) -> list[list[int]]:
+    """Text and a call, another call, then a plain answer, each as the family's model writes it
+    (its template's own rendering of the turn), ending with the token the model stops on."""
+    from turnrl.chat.report import _calls, scripted_turn, stop_ids
+
+    encoder = ChatEncoder(tokenizer(name))
+    probe = encoder.probe(tools)
+    turns = []
+    for expression, text in (("17 * 23", "Let me compute."), ("391 + 1", "")):
+        ids, _ = scripted_turn(encoder, probe, tools, _calls(expression, text=text))
+        early_stop = any(t in encoder.template.special_ids and t == ids[-1] for t in ids[:-1])
+        if early_stop or "calculator" not in encoder.template.decode(ids):
+            call = DOCUMENTED[str(parser_of(BY_NAME[name]))].format(expression)
+            ids = encoder.template.encode(text + call) + stop_ids(encoder, probe.assistant_close)
+        turns.append(ids)
+    turns.append(scripted_turn(encoder, probe, tools, "The answer is 392.")[0])
+    return turns
+
+
+@pytest.mark.parametrize("name", TOOL_FAMILIES)
+async def test_a_tool_rollout_in_the_familys_own_format_trains_on_what_the_engine_saw(name: str) -> None:
+    """Four turns through the real ToolEnv, the family's parser and a real calculator: text and a
+    call, its result, another call, its result, a plain answer. The engine saw every result; each
+    turn's prompt is exactly the trajectory so far; the trained sequence is the last prompt plus
+    the last reply; the end-of-trajectory check finds every delta equal to the template's own
+    rendering at that point (or names the family that does not)."""
+    tools = [tool(calculator).schema]
+    turns = _tool_turns(name, tools)
+    tok = tokenizer(name)
+    engine = ScriptedEngine(tok, turns, eos_token_id=turns[-1][-1])
+    spec = RolloutSpec(
+        env_factory=lambda s: ToolEnv(s, [tool(calculator)], parser=str(parser_of(BY_NAME[name]))),
+        engine=engine,
+        encoder=ChatEncoder(tok),
+        sampling=SamplingParams(max_tokens=256, stop_token_ids=sorted({t[-1] for t in turns})),
+        limits=Limits(max_turns=6, max_context_tokens=8192),
+    )
+    prompt = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "17 * 23 + 1?"},
+    ]
+    traj = await run_trajectory(Sample("calc", prompt), spec)
+    assert traj.error is None and traj.stop_reason == StopReason.NO_TOOL_CALL, (traj.stop_reason, traj.error)
+    assert traj.num_turns == 3 and traj.info["num_tool_calls"] == 2 and traj.info["num_tool_errors"] == 0
+    sequence = traj.prompt_ids + traj.response_ids
+    for prompt_ids in engine.prompts:
+        assert sequence[: len(prompt_ids)] == prompt_ids
+    assert engine.prompts[-1] + turns[-1] == sequence
+    assert [t for t, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m] == [
+        t for r in turns for t in r
+    ]
+    assert "391" in tok.decode(engine.prompts[1]) and "392" in tok.decode(engine.prompts[2])  # results seen
+    assert "check/error" not in traj.metrics, traj.metrics["check/error"]
+    assert traj.metrics["check/ok"] is (name not in NOT_SAFE_WITH_TOOLS), traj.info.get("check")

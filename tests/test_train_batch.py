@@ -153,3 +153,18 @@ def test_infrastructure_failures_leave_the_step_and_every_exclusion_is_counted()
     assert (
         tied_metrics["train/zero_advantage_groups"] == 1 and tied_metrics["train/zero_advantage_samples"] == 2
     )
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "turn"])
+def test_last_turn_only_trains_the_last_model_turn_with_the_rest_as_context(mode: str) -> None:
+    """``algorithm.loss_turns: last`` (ms-swift's loss_scale last_round): the earlier model turns
+    stay in the context, with no loss on them; the last turn keeps its own mask."""
+    samples = build_samples(mode, [two_turn()], [[0.5, -2.0]], loss_turns="last")
+    trained = [s for s in samples if any(s.loss_mask)]
+    (last,) = trained
+    assert last.input_ids == [10, 11, 12, 20, 21, 30, 31, 32, 22, 23, 24]
+    assert last.loss_mask[-3:] == [1, 0, 1] and sum(last.loss_mask) == 2
+    assert last.advantages[-3:] == [-2.0, 0.0, -2.0] and sum(last.advantages[:-3]) == 0
+    assert last.rollout_logprobs[:-3] == [0.0] * 8
+    with pytest.raises(ValueError, match="unknown loss_turns 'first'"):
+        build_samples(mode, [two_turn()], [[0.5, -2.0]], loss_turns="first")

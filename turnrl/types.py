@@ -146,6 +146,7 @@ class StepResult:
     done: bool = False  # the episode is over
     info: dict[str, Any] = field(default_factory=dict)  # free-form; numbers are summed into the trajectory
     stop_reason: StopReason | None = None  # why it is over, when done (default: env_done)
+    train_turn: bool = True  # False: the model turn this step answers is context, not trained on
 
 
 @pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))

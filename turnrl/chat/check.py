@@ -21,7 +21,7 @@ MAX_MERGE = 64  # opcodes one re-tokenized span may be split into
 class Hunk:
     """One place where the two token sequences differ."""
 
-    kind: str  # same_text | control_text | whitespace | think | text
+    kind: str  # same_text | control_text | model_turn | history_rewrite | whitespace | think | text
     expected: bool  # explained by a known quirk of the template
     start: int  # token index in the incremental sequence
     incremental: str  # text on the rollout side
@@ -108,7 +108,11 @@ def compare(
     Differences are expected (reported, not counted) when they are <think> blocks a template
     rewrites by design (``reasoning_rewritten``), or when the text is the same and every
     differing token was sampled by the model (``sampled[i] == 1``): the model chose a
-    non-canonical tokenization, which the rollout keeps exactly as sampled.
+    non-canonical tokenization, which the rollout keeps exactly as sampled. Any other difference
+    wholly inside sampled tokens is the template's own spelling of a model turn in history
+    (``model_turn``: text beside a call dropped, a call re-spelled, gpt-oss's ``<|return|>``
+    written as ``<|end|>``): the rollout trains on what the model sampled, which is what the
+    engine conditioned on.
     """
     if mode == "disable":
         return CheckResult(mode=mode, ok=True)
@@ -129,10 +133,12 @@ def compare(
         by_model = sampled is not None and i2 > i1 and all(sampled[i] for i in range(i1, i2))
         if kind == "same_text" and _spelled_controls(template, incremental_ids[i1:i2], reference_ids[j1:j2]):
             kind = "control_text"  # content spelling a control token: kept as text, never a turn
+        elif by_model and kind != "same_text" and not (kind == "think" and reasoning_rewritten):
+            kind = "model_turn"  # the template's own spelling of what the model wrote
         expected = (
             (kind == "think" and reasoning_rewritten)
             or (kind == "same_text" and by_model)
-            or kind == "control_text"
+            or kind in ("control_text", "model_turn")
         )
         hunks.append(Hunk(kind, expected, i1, inc, ref))
         k = end + 1

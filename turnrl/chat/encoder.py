@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from turnrl.chat.check import CheckMode, CheckResult, compare
-from turnrl.chat.probe import TemplateProbe, Tools, probe_template, render_after_turn
-from turnrl.chat.template import ChatTemplate
+from turnrl.chat.check import CheckMode, CheckResult, compare, render_diff
+from turnrl.chat.probe import TemplateProbe, Tools, probe_template, render_after_turn, string_arguments
+from turnrl.chat.template import ChatTemplate, ChatTemplateError
 from turnrl.types import Message
 from turnrl.vision.content import has_images, is_image_part, normalize_images, text_parts
 
@@ -207,7 +207,13 @@ class ConversationEncoder:
     ) -> CheckResult:
         """Compare the rollout's tokens with a full re-render of ``messages``. ``last_token_text``:
         the last model turn's final token as text (``assistant_text`` gives it); ``ends_with_model``:
-        the sequence ends with a model turn (no observation after it)."""
+        the sequence ends with a model turn (no observation after it).
+
+        Model turns re-render as the text the model wrote. When that fails (a template that
+        renders a tool result only after a structured call raises, or drops it) and the turns
+        hold ``tool_calls``, they re-render as the calls the template writes itself: then a
+        difference that lies wholly in sampled tokens is the template's own spelling of the
+        model's turn, expected; what is checked is every token around them."""
         if mode == "disable":
             return CheckResult(mode=mode, ok=True)
         closing = self.closing_ids(last_token_text) if ends_with_model else []
@@ -215,11 +221,96 @@ class ConversationEncoder:
         sampled = None
         if loss_mask is not None:
             sampled = [0] * len(prompt_ids) + list(loss_mask) + [0] * len(closing)
+        as_written = [_without_calls(m) for m in messages]
+        try:
+            result = self._compare(incremental, as_written, ends_with_model, mode, sampled, images)
+        except ChatTemplateError:
+            if not _has_calls(messages) or sampled is None:
+                raise
+        else:
+            if result.ok or not _has_calls(messages) or sampled is None:
+                return result
+        as_called = [_as_called(m) for m in messages]
+        try:
+            return self._compare(incremental, as_called, ends_with_model, mode, sampled, images)
+        except ChatTemplateError:  # a template that takes call arguments only as JSON text
+            as_called = [string_arguments(m) if m.get("tool_calls") else m for m in as_called]
+            return self._compare(incremental, as_called, ends_with_model, mode, sampled, images)
+
+    def _compare(
+        self,
+        incremental: list[int],
+        messages: list[Message],
+        ends_with_model: bool,
+        mode: CheckMode,
+        sampled: list[int] | None,
+        images: Sequence[ImageInput],
+    ) -> CheckResult:
         rendered = self.template.render(messages, self.tools, not ends_with_model)
         reference = self.template.encode(rendered)
         if self.vision is not None:
             reference = self.vision.expand(reference, images)
-        return compare(self.template, incremental, reference, mode, self.probe.rewrites_reasoning, sampled)
+        result = compare(self.template, incremental, reference, mode, self.probe.rewrites_reasoning, sampled)
+        if not result.ok and sampled is not None and self.vision is None:
+            self._mark_history_rewrites(result, incremental, sampled, messages)
+        return result
+
+    def _mark_history_rewrites(
+        self, result: CheckResult, incremental: list[int], sampled: list[int], messages: list[Message]
+    ) -> None:
+        """Mark as expected (``history_rewrite``) each difference inside the prompt or an
+        observation delta that is exactly what the template rendered at that point of the
+        conversation, token for token, right after the model's last token: a template that renders a message
+        otherwise once more follows (Hermes-3 closes the last tool result without its newline,
+        Mistral moves the system prompt to the last user turn, MiniMax's generation prompt opens a
+        <think> that history never shows) rewrites history, and the rollout keeps what the engine
+        saw."""
+        runs = _observation_runs(sampled)  # the prompt, then the delta before each later model turn
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"][-len(runs) :]
+        if len(turns) != len(runs):
+            return
+        for hunk in result.hunks:
+            k = next((k for k, (a, b) in enumerate(runs) if a <= hunk.start < b), None)
+            if hunk.expected or k is None:
+                continue
+            try:
+                live = self.template.render(messages[: turns[k]], self.tools, True)
+            except ChatTemplateError:
+                continue
+            start, end = runs[k]  # with the model's last token: the delta must start where it ends
+            tail = incremental[max(start - 1, 0) : end]
+            if self.template.encode(live)[-len(tail) :] == tail:
+                hunk.kind, hunk.expected = "history_rewrite", True
+        result.ok = result.mismatches == 0
+        result.diff = render_diff(self.template, incremental, result)
+
+
+def _observation_runs(sampled: Sequence[int]) -> list[tuple[int, int]]:
+    """The [start, end) token ranges that precede each model turn: the prompt, then the deltas
+    between model turns (runs of 0 in ``sampled`` that a model token follows)."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, s in enumerate(sampled):
+        if s and start is not None:
+            runs.append((start, i))
+            start = None
+        elif not s and start is None:
+            start = i
+    return runs
+
+
+def _has_calls(messages: Sequence[Message]) -> bool:
+    return any(m.get("tool_calls") for m in messages)
+
+
+def _without_calls(message: Message) -> Message:
+    """A model turn as the model wrote it: its text, calls included, and no structured calls."""
+    return cast(Message, {k: v for k, v in message.items() if k != "tool_calls"})
+
+
+def _as_called(message: Message) -> Message:
+    """A model turn with calls as a chat API would hand it back: the calls, no text of its own."""
+    return cast(Message, dict(message, content="")) if message.get("tool_calls") else message
 
 
 def _content_pieces(text: str, contents: Sequence[str]) -> list[tuple[str, bool]]:

@@ -155,17 +155,44 @@ def turn_end(tpl: ChatTemplate, rendered: str, close: str) -> int:
     return starts[-1] if starts else len(rendered)
 
 
-def reply_text(tpl: ChatTemplate, tools: Tools, base: Sequence[Message], message: Message, close: str) -> str:
-    """What a model of the family writes for the assistant ``message`` (tool calls included): the
-    template's render of it after the generation prompt (or after the turn's header as history
-    renders it, for a prompt that history does not repeat) and before the turn's end."""
-    full = tpl.render([*base, message], tools, False)
+def string_arguments(message: Message) -> Message:
+    """``message`` with its calls' arguments as JSON strings (the OpenAI wire form), for templates
+    that take no mapping (Functionary)."""
+    calls = [
+        dict(c, function=dict(c["function"], arguments=json.dumps(c["function"]["arguments"])))
+        if not isinstance(c["function"]["arguments"], str)
+        else c
+        for c in message.get("tool_calls") or []
+    ]
+    return cast(Message, dict(message, tool_calls=calls))
+
+
+def model_turn(
+    tpl: ChatTemplate, tools: Tools, base: Sequence[Message], message: Message, close: str
+) -> tuple[str, str]:
+    """What a model of the family writes for the assistant ``message`` (tool calls included), and
+    the template's text after it (the turn's end, whose first token the model samples to stop):
+    the template's render of ``message`` after the generation prompt (or after the turn's header
+    as history renders it, for a prompt that history does not repeat). Call arguments that the
+    template cannot take as a mapping are given as a JSON string (Functionary)."""
+    try:
+        full = tpl.render([*base, message], tools, False)
+    except ChatTemplateError:
+        calls = [
+            dict(c, function=dict(c["function"], arguments=json.dumps(c["function"]["arguments"])))
+            for c in message.get("tool_calls") or []
+        ]
+        if not calls:
+            raise
+        message = cast(Message, dict(message, tool_calls=calls))
+        full = tpl.render([*base, message], tools, False)
     prompt = tpl.render(base, tools, True)
     if not full.startswith(prompt):
         marked = tpl.render([*base, assistant_message(ASSISTANT_MARK)], tools, False)
         header = marked.split(ASSISTANT_MARK, 1)[0]
         prompt = header if full.startswith(header) else tpl.render(base, tools, False)
-    return full[len(prompt) : turn_end(tpl, full, close)]
+    end = turn_end(tpl, full, close)
+    return full[len(prompt) : end], full[end:]
 
 
 def render_after_turn(

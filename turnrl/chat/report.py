@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnrl.chat.check import CheckResult
+from turnrl.chat.check import CheckResult, counts
 from turnrl.chat.encoder import ChatEncoder, Tools
-from turnrl.chat.probe import call_id
+from turnrl.chat.probe import TemplateProbe, call_id, model_turn
 from turnrl.chat.template import ChatTemplateError
+from turnrl.tools.parsers import parser_for_template
 from turnrl.types import Message
 
 DEFAULT_TOOLS = [
@@ -34,18 +35,48 @@ PROMPT: list[Message] = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is 17 * 23?"},
 ]
-CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
-Script = list[tuple[str, list[Message]]]
+
+
+class UnsupportedTurn(ChatTemplateError):
+    """The template cannot render a scripted model turn (Llama 3.x: two calls in one turn), so a
+    model of the family never writes it: the scenario does not apply."""
+
+
+Reply = str | Message
+"""A scripted model turn: text the model writes, or an assistant message with ``tool_calls``, which
+the model writes as its family's template renders it (``probe.model_turn``)."""
+Script = list[tuple[Reply, list[Message]]]
 
 
 def _tool(content: str, i: int = 0) -> Message:
     return {"role": "tool", "name": "calculator", "tool_call_id": call_id(i), "content": content}
 
 
+def _calls(*expressions: str, text: str = "") -> Message:
+    """An assistant turn calling the calculator once per expression, with ``text`` beside."""
+    calls = [
+        {
+            "id": call_id(i),
+            "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": e}},
+        }
+        for i, e in enumerate(expressions)
+    ]
+    return {"role": "assistant", "content": text, "tool_calls": calls}
+
+
 SCENARIOS: dict[str, tuple[bool, Script]] = {
     "tool calls": (
         True,
-        [(CALL, [_tool("391")]), (CALL + "\n" + CALL, [_tool("391"), _tool("391", 1)]), ("391", [])],
+        [
+            (_calls("17 * 23", text="Let me compute."), [_tool("391")]),
+            (_calls("391 + 1"), [_tool("392")]),
+            ("17 * 23 = 391.", []),
+        ],
+    ),
+    "parallel tool calls": (
+        True,
+        [(_calls("17 * 23", "2 + 2"), [_tool("391"), _tool("4", 1)]), ("391, 4", [])],
     ),
     "user turns": (
         False,
@@ -58,7 +89,7 @@ SCENARIOS: dict[str, tuple[bool, Script]] = {
     "reasoning + tools": (
         True,
         [
-            ("<think>\nUse the tool.\n</think>\n\n" + CALL, [_tool("391")]),
+            (_calls("17 * 23", text="<think>\nUse the tool.\n</think>\n\n"), [_tool("391")]),
             ("<think>\nDone.\n</think>\n\n391", []),
         ],
     ),
@@ -70,14 +101,23 @@ SCENARIOS: dict[str, tuple[bool, Script]] = {
         ],
     ),
 }
+ROLES = {
+    "tool": ("tool calls", "parallel tool calls", "reasoning + tools"),
+    "user": ("user turns", "reasoning + user turns"),
+}
+
+
+def stop_ids(encoder: ChatEncoder, close: str) -> list[int]:
+    """The token(s) a model samples to end a turn the template closes with ``close``: its first
+    token when that is a control token (a model stops there: Phi-3.5's close is ``<|end|>`` then
+    ``\n<|endoftext|>``), else the whole close, stripped."""
+    ids = encoder.template.encode(close.strip())
+    return ids[:1] if ids and ids[0] in encoder.template.special_ids else ids
 
 
 def end_of_turn_ids(encoder: ChatEncoder, tools: Tools) -> list[int]:
-    """The token(s) a model samples to end its turn: the first token of the template's assistant
-    close when it is a control token (a model stops there: Phi-3.5's close is ``<|end|>`` then
-    ``\n<|endoftext|>``), else the whole close, stripped."""
-    ids = encoder.template.encode(encoder.probe(tools).assistant_close.strip())
-    return ids[:1] if ids and ids[0] in encoder.template.special_ids else ids
+    """The token(s) a model samples to end a plain turn (see ``stop_ids``)."""
+    return stop_ids(encoder, encoder.probe(tools).assistant_close)
 
 
 @dataclass
@@ -96,15 +136,16 @@ def simulate(encoder: ChatEncoder, tools: Tools, script: Script, prompt: list[Me
     tokenized alone, as a model may sample them), observations as deltas."""
     conv = encoder.conversation(tools)
     prompt = conv.probe.prompt(prompt)
-    eot = end_of_turn_ids(encoder, tools)
     out = Simulated(conv.encode_prompt(prompt), [], [], list(prompt), None)
-    prefix = conv.probe.reply_prefix  # e.g. Functionary's recipient line, which its model writes
     for reply, observation in script:
-        model_ids = encoder.template.encode(prefix + reply) + eot
+        model_ids, calls = scripted_turn(encoder, conv.probe, tools, reply)
         out.response_ids += model_ids
         out.loss_mask += [1] * len(model_ids)
         content, out.last_token_text = conv.assistant_text(model_ids)
-        out.messages.append({"role": "assistant", "content": content})
+        message: Message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        out.messages.append(message)
         if observation:
             delta = conv.encode_observation(observation, out.last_token_text)
             out.response_ids += delta
@@ -112,6 +153,24 @@ def simulate(encoder: ChatEncoder, tools: Tools, script: Script, prompt: list[Me
             out.messages += observation
             out.last_token_text = None
     return out
+
+
+def scripted_turn(
+    encoder: ChatEncoder, probe: TemplateProbe, tools: Tools, reply: Reply
+) -> tuple[list[int], list[Any]]:
+    """A scripted turn's tokens as a model of the family writes them, its stop token included, and
+    its structured calls."""
+    if isinstance(reply, str):  # the reply prefix (Functionary's recipient line) is the model's too
+        text, close, calls = probe.reply_prefix + reply, probe.assistant_close, []
+    else:
+        calls = list(reply.get("tool_calls") or [])
+        try:
+            text, close = model_turn(encoder.template, tools, probe.base, reply, probe.assistant_close)
+        except ChatTemplateError as exc:
+            raise UnsupportedTurn(
+                f"the template renders no turn with {len(calls)} tool calls: {exc}"
+            ) from exc
+    return encoder.template.encode(text) + stop_ids(encoder, close), calls
 
 
 @dataclass
@@ -122,12 +181,25 @@ class TemplateReport:
     findings: list[str]
     results: dict[str, CheckResult] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # scenario -> what the template raised
+    unsupported: dict[str, str] = field(default_factory=dict)  # scenario -> the turn no model writes
 
     @property
     def safe(self) -> bool:
         """True when every conversation matched its full re-render (known quirks allowed) and the
         template rendered every one."""
         return all(r.ok for r in self.results.values()) and not self.errors
+
+    def role_verdict(self, role: str) -> str:
+        """SAFE, NOT SAFE or raises, over the scenarios whose observations are of ``role``."""
+        names = ROLES[role]
+        if any(n in self.results and not self.results[n].ok for n in names):
+            return (
+                "NOT SAFE ("
+                + ", ".join(n for n in names if n in self.results and not self.results[n].ok)
+                + ")"
+            )
+        raised = [n for n in names if n in self.errors]
+        return f"SAFE where it renders (raises on: {', '.join(raised)})" if raised else "SAFE"
 
     def text(self) -> str:
         """The report as the CLI prints it."""
@@ -144,6 +216,12 @@ class TemplateReport:
                 lines += [f"    {d}" for d in result.diff.splitlines()]
         for name, error in self.errors.items():
             lines.append(f"{name}: the template cannot render it: {error}")
+        for name, why in self.unsupported.items():
+            lines.append(f"{name}: does not apply: {why}")
+        lines += ["", "by role:"] + [f"  {role}: {self.role_verdict(role)}" for role in ROLES]
+        hunks = [h for r in self.results.values() for h in r.hunks]
+        modes = ", ".join(f"{m} {sum(counts(h, m) for h in hunks)}" for m in ("strict", "ignore_strippable"))
+        lines.append(f"mismatches by check mode: {modes}")
         if not all(r.ok for r in self.results.values()):
             verdict = "NOT SAFE: the rollout's tokens differ from a re-render"
         elif self.errors:
@@ -162,7 +240,7 @@ def report_for(encoder: ChatEncoder, model: str, tools: Tools = None) -> Templat
     except ChatTemplateError as exc:
         findings = [f"the template cannot render a conversation with tools: {exc}"]
     else:
-        findings += _dropped_tools(encoder, tools)
+        findings += _dropped_tools(encoder, tools) + _call_format(encoder, tools)
     report = TemplateReport(model, findings)
     for name, (uses_tools, script) in SCENARIOS.items():
         scenario_tools = tools if uses_tools else None
@@ -177,6 +255,8 @@ def report_for(encoder: ChatEncoder, model: str, tools: Tools = None) -> Templat
                 mode="strict",
                 loss_mask=sim.loss_mask,
             )
+        except UnsupportedTurn as exc:
+            report.unsupported[name] = str(exc)
         except ChatTemplateError as exc:
             report.errors[name] = str(exc)
     return report
@@ -191,6 +271,28 @@ def _dropped_tools(encoder: ChatEncoder, tools: Tools) -> list[str]:
         return []
     listed = ", ".join(missing)
     return [f"WARNING: drops the tools it is given ({listed}): the model never sees their schemas"]
+
+
+def _call_format(encoder: ChatEncoder, tools: Tools) -> list[str]:
+    """The tool-call format the template renders (the parser to configure), and a warning when
+    it drops the calls of a model turn from history."""
+    parser = parser_for_template(str(encoder.template.tokenizer.chat_template))
+    lines = [
+        f"tool calls: parser '{parser}'"
+        if parser
+        else "tool calls: no known tool-call format in the template"
+    ]
+    probe = encoder.probe(tools)
+    try:
+        text, _ = model_turn(encoder.template, tools, probe.base, _calls("17 * 23"), probe.assistant_close)
+    except ChatTemplateError as exc:
+        return [*lines, f"WARNING: cannot render a model turn with a tool call: {exc}"]
+    if "calculator" not in text:
+        lines.append(
+            "WARNING: drops the tool calls of earlier turns from history: the rollout trains on what the"
+            " model wrote, a chat server would show it a history without its calls"
+        )
+    return lines
 
 
 def check_template(

@@ -37,6 +37,7 @@ class Episode:
     )
     env_retries: int = 0  # failed env attempts that a retry recovered or that ended the episode
     observations_truncated: int = 0  # observation texts cut to limits.max_observation_chars
+    env_masked: int = 0  # model tokens the env marked as context (StepResult.train_turn=False)
     last_token_text: str | None = (
         None  # the last model turn's final token as text (None after an observation)
     )
@@ -87,6 +88,7 @@ class Episode:
                     if self.observations_truncated
                     else {}
                 ),
+                **({"tokens/env_masked": self.env_masked} if self.env_masked else {}),
                 **self.timings,
             },
             sample_index=self.index,

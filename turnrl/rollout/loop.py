@@ -9,7 +9,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from turnrl.chat.check import CheckMode
 from turnrl.chat.encoder import ChatEncoder, ConversationEncoder
@@ -257,6 +257,11 @@ async def _env_step(ep: Episode, env: Env, spec: RolloutSpec, turn: Turn) -> Ste
     ep.turn_rewards.append(float(result.reward))
     ep.merge_info(result.info)
     ep.record.messages.append(_assistant_message(turn.text, result))
+    if not result.train_turn:  # the env's own loss mask: this turn is context
+        span = turn.end - turn.start
+        ep.record.loss_mask[turn.start : turn.end] = [0] * span
+        ep.record.rollout_logprobs[turn.start : turn.end] = [0.0] * span
+        ep.env_masked += span
     _notify(spec, ep)
     return result
 
@@ -366,11 +371,6 @@ async def _close(env: Env, timeout_s: float | None) -> None:
         await asyncio.wait_for(env.close(), timeout_s)
 
 
-def _check_messages(messages: list[Message]) -> list[Message]:
-    """Messages as the template should see them: assistant text holds its tool calls verbatim."""
-    return [cast(Message, {k: v for k, v in m.items() if k != "tool_calls"}) for m in messages]
-
-
 def _finish_metrics(
     traj: Trajectory,
     conv: ConversationEncoder,
@@ -383,7 +383,7 @@ def _finish_metrics(
         result = conv.check(
             traj.prompt_ids,
             traj.response_ids,
-            _check_messages(traj.messages),
+            traj.messages,
             last_token_text=last_text,
             ends_with_model=ends_with_model,
             mode=mode,

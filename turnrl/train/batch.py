@@ -109,11 +109,31 @@ SampleBuilder = Callable[[Sequence[Trajectory], TurnAdvantages], list[TrainSampl
 SAMPLE_BUILDERS: dict[str, SampleBuilder] = {"trajectory": trajectory_samples, "turn": turn_samples}
 
 
-def build_samples(mode: str, trajs: Sequence[Trajectory], advantages: TurnAdvantages) -> list[TrainSample]:
-    """The training samples of ``trajs`` in ``mode`` (``trajectory`` or ``turn``)."""
+def build_samples(
+    mode: str, trajs: Sequence[Trajectory], advantages: TurnAdvantages, loss_turns: str = "all"
+) -> list[TrainSample]:
+    """The training samples of ``trajs`` in ``mode`` (``trajectory`` or ``turn``); with
+    ``loss_turns="last"`` only each trajectory's last model turn is trained on (ms-swift's
+    ``loss_scale: last_round``), the earlier ones are context."""
     if mode not in SAMPLE_BUILDERS:
         raise ValueError(f"unknown sample mode {mode!r} (known: {', '.join(sorted(SAMPLE_BUILDERS))})")
+    if loss_turns not in ("all", "last"):
+        raise ValueError(f"unknown loss_turns {loss_turns!r} (known: all, last)")
+    if loss_turns == "last":
+        trajs = [last_turn_only(t) for t in trajs]
     return SAMPLE_BUILDERS[mode](trajs, advantages)
+
+
+def last_turn_only(traj: Trajectory) -> Trajectory:
+    """``traj`` with a loss mask on its last model turn only."""
+    model_turns = [t for t in traj.turns if t.role == "assistant"]
+    if not model_turns:
+        return traj
+    last = model_turns[-1]
+    keep = [int(last.start <= i < last.end) for i in range(len(traj.loss_mask))]
+    mask = [m * k for m, k in zip(traj.loss_mask, keep, strict=True)]
+    logprobs = [lp * k for lp, k in zip(traj.rollout_logprobs, keep, strict=True)]
+    return replace(traj, loss_mask=mask, rollout_logprobs=logprobs)
 
 
 @dataclass

@@ -29,6 +29,7 @@ class AlgorithmConfig(_Strict):
     normalize_std: bool = True  # grpo / reward_to_go: divide by the group's std
     gamma: float = Field(1.0, ge=0, le=1)  # reward_to_go: discount over later turns
     samples: Literal["trajectory", "turn"] = "trajectory"  # turn: one sample per model turn (step-wise)
+    loss_turns: Literal["all", "last"] = "all"  # last: train only each trajectory's last model turn
     loss: str = "ppo"  # a name in turnrl.train.loss.POLICY_LOSSES: ppo, pg, cispo
     clip_low: float = Field(0.2, ge=0, le=1)
     clip_high: float = Field(0.2, ge=0)

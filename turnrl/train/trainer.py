@@ -253,7 +253,7 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     trajs, refused = _on_policy(run, trajs)
     trajs, excluded = exclude_failures(trajs, cfg.algorithm.train_on_failures)
     advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
-    samples = build_samples(cfg.algorithm.samples, trajs, advantages)
+    samples = build_samples(cfg.algorithm.samples, trajs, advantages, cfg.algorithm.loss_turns)
     tokens = sum(sum(s.loss_mask) for s in samples)
     metrics |= exclusion_metrics(trajs, advantages, samples, excluded)
     if cfg.algorithm.kl_coef == 0:  # all-zero advantages: exactly zero loss, so skip their compute
