@@ -310,3 +310,24 @@ async def test_an_env_can_make_a_model_turn_context(qwen3_tokenizer: Any) -> Non
     assert all(traj.loss_mask[t.start : t.end] == [1] * (t.end - t.start) for t in (second, third))
     assert traj.metrics["tokens/env_masked"] == first.end - first.start
     assert traj.metrics["check/ok"] is True  # the same tokens: only what is trained on changed
+
+
+async def test_inference_contexts_record_what_a_chat_server_would_render(qwen3_tokenizer: Any) -> None:
+    """Qwen3's template drops earlier turns' reasoning when it renders history: with inference
+    contexts on, each later model turn records that render (what a chat server would have fed the
+    model), while the trajectory itself stays the exact sequence the engine conditioned on."""
+    replies = ["<think>\nFirst thought.\n</think>\n\n12", "<think>\nSecond thought.\n</think>\n\n15", "14"]
+    engine = ScriptedEngine(qwen3_tokenizer, replies)
+    spec = spec_for(engine, qwen3_tokenizer, lambda s: EchoEnv(s, done_after=3))
+    spec.inference_contexts = True
+    traj = await run(spec)
+    first, second, third = [t for t in traj.turns if t.role == "assistant"]
+    assert first.context_ids is None  # the prompt: the same render
+    for turn, kept in ((second, "12"), (third, "15")):
+        assert turn.context_ids is not None
+        text = qwen3_tokenizer.decode(turn.context_ids)
+        assert "thought" not in text and kept in text and text.endswith("<|im_start|>assistant\n")
+    assert "First thought" in qwen3_tokenizer.decode(engine.prompts[1])  # the engine saw the exact one
+    assert traj.metrics["inference/rewritten_turns"] == 2
+    plain = await run(spec_for(ScriptedEngine(qwen3_tokenizer, ["1", "2"]), qwen3_tokenizer, tool_env))
+    assert all(t.context_ids is None for t in plain.turns)  # off by default

@@ -168,3 +168,16 @@ def test_last_turn_only_trains_the_last_model_turn_with_the_rest_as_context(mode
     assert last.rollout_logprobs[:-3] == [0.0] * 8
     with pytest.raises(ValueError, match="unknown loss_turns 'first'"):
         build_samples(mode, [two_turn()], [[0.5, -2.0]], loss_turns="first")
+
+
+def test_inference_mode_trains_each_turn_on_its_recorded_inference_context() -> None:
+    """``algorithm.samples: inference``: a turn with ``context_ids`` (what a chat server would have
+    rendered) is trained on that context; a turn without is trained on its exact prefix."""
+    traj = two_turn()
+    traj.turns[2].context_ids = [10, 11, 12, 21, 30, 31, 32]  # the first turn's "20" rewritten away
+    first, second = build_samples("inference", [traj], [[0.5, -2.0]])
+    assert first.input_ids == [10, 11, 12, 20, 21] and first.loss_mask == [0, 0, 0, 1, 1]
+    assert second.input_ids == [10, 11, 12, 21, 30, 31, 32, 22, 23, 24]
+    assert second.loss_mask == [0] * 7 + [1, 0, 1]
+    assert second.rollout_logprobs == [0.0] * 7 + [-0.3, 0.0, -0.5]
+    assert second.advantages == [0.0] * 7 + [-2.0, 0.0, -2.0]

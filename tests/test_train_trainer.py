@@ -236,3 +236,17 @@ def test_lora_checkpoints_hold_adapters_and_resume(tmp_path: Path, tiny_qwen3_di
     for name, value in straight.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=1e-4)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+
+
+async def test_inference_samples_turn_on_inference_contexts_and_train(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    cfg = config(tmp_path, tiny_qwen3_dir)
+    cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"samples": "inference"})})
+    run = build_run(cfg, overwrite=False, resume=False, console=QUIET)
+    try:
+        assert run.spec.inference_contexts  # the rollout records what the samples train on
+        metrics = await train_step(run, 1)
+    finally:
+        await run.engine.close()
+    assert metrics["train/samples"] > 0

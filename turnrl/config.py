@@ -234,6 +234,10 @@ class ChatConfig(Strict):
     """Passed to the chat template, e.g. {enable_thinking: false}."""
     check: Literal["strict", "ignore_strippable", "disable"] = "strict"
     """End-of-trajectory sanity check against a full re-render."""
+    inference_contexts: bool = False
+    """Record each model turn's context as a chat server renders it (history re-rendered: past
+    reasoning dropped where the template drops it) where it differs from the exact prefix, as
+    Turn.context_ids; algorithm.samples: inference trains on them (and turns this on)."""
 
 
 class EnvConfig(Strict):

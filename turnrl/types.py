@@ -31,7 +31,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 if TYPE_CHECKING:
     import torch
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the trajectory record written to ``trajectories.jsonl`` (bumped on any field change)."""
 
 
@@ -94,6 +94,9 @@ class Turn:
     finish_reason: FinishReason | None = None  # model turns: why the generation ended
     reward: float | None = None  # env reward returned for this model turn's action
     env_retries: int = 0  # failed env attempts before this observation
+    # model turns, with inference contexts on: the context a chat server would have given this turn
+    # (a fresh render of the conversation so far) where it differs from the exact prefix
+    context_ids: list[int] | None = None
 
 
 @dataclass

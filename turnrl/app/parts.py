@@ -68,6 +68,7 @@ def build_spec(config: RunSections, engine: Engine, tokenizer: Any, env_factory:
         sampling=dataclasses.replace(config.sampling, seed=config.seed),
         limits=config.limits,
         check=config.chat.check,
+        inference_contexts=config.chat.inference_contexts,
         rewards=build_rewards(config),
         vocab_size=vocab_size(config.model),
     )

@@ -38,6 +38,7 @@ class Episode:
     env_retries: int = 0  # failed env attempts that a retry recovered or that ended the episode
     observations_truncated: int = 0  # observation texts cut to limits.max_observation_chars
     env_masked: int = 0  # model tokens the env marked as context (StepResult.train_turn=False)
+    inference_rewrites: int = 0  # turns whose inference-time context differs from the exact prefix
     last_token_text: str | None = (
         None  # the last model turn's final token as text (None after an observation)
     )
@@ -89,6 +90,7 @@ class Episode:
                     else {}
                 ),
                 **({"tokens/env_masked": self.env_masked} if self.env_masked else {}),
+                **({"inference/rewritten_turns": self.inference_rewrites} if self.inference_rewrites else {}),
                 **self.timings,
             },
             sample_index=self.index,

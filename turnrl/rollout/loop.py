@@ -48,6 +48,7 @@ class RolloutSpec:
     on_turn: TurnHook | None = None  # called after every turn is appended (per-turn logging)
     control: RolloutControl | None = None  # pause/resume/stop for partial rollout
     mask_offpolicy: bool = False  # mask (0) model tokens sampled by an older policy than the newest
+    inference_contexts: bool = False  # record each turn's context as a chat server would render it
     vocab_size: int | None = None  # sampled ids at or above it end the trajectory as engine_error
 
 
@@ -212,6 +213,7 @@ async def _model_turn(ep: Episode, spec: RolloutSpec, conv: ConversationEncoder)
         ep.end(StopReason.TOKEN_BUDGET)
         return None
     max_tokens = min(spec.sampling.max_tokens, budget)
+    context = _inference_context(ep, conv) if spec.inference_contexts and ep.record.num_model_turns else None
     t0 = time.perf_counter()
     try:
         gen = await _generate(spec, ep.record, ep.sample, ep.index, max_tokens)
@@ -225,6 +227,7 @@ async def _model_turn(ep: Episode, spec: RolloutSpec, conv: ConversationEncoder)
         return None
     text, ep.last_token_text = conv.assistant_text(gen.token_ids)
     turn = ep.record.add_model(gen, text, seconds, _versions(gen, spec.control))
+    turn.context_ids = context
     if gen.finish_reason == "stop":
         return turn
     ep.record.messages.append(_assistant_message(text, None))
@@ -233,6 +236,21 @@ async def _model_turn(ep: Episode, spec: RolloutSpec, conv: ConversationEncoder)
     else:
         ep.end(StopReason.TOKEN_BUDGET if max_tokens < spec.sampling.max_tokens else StopReason.LENGTH)
     return None
+
+
+def _inference_context(ep: Episode, conv: ConversationEncoder) -> list[int] | None:
+    """The conversation so far as a chat server would render it for the next turn (history
+    re-rendered: past reasoning dropped where the template drops it), when that differs from the
+    exact token prefix the engine is given; None when it is the same or cannot be rendered."""
+    try:
+        ids = conv.inference_context(ep.record.messages)
+    except Exception:  # a template that cannot render the history: the exact prefix stands
+        ep.info["inference_context_errors"] = ep.info.get("inference_context_errors", 0) + 1
+        return None
+    if ids == ep.record.sequence:
+        return None
+    ep.inference_rewrites += 1
+    return ids
 
 
 def _out_of_vocab(ids: Sequence[int], vocab_size: int | None) -> int | None:

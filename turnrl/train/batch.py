@@ -8,6 +8,12 @@
   advantage is the turn's (with ``grpo``, the trajectory's). Use it where each round should be
   its own sequence, as ms-swift does for templates that drop history; turnrl never re-renders,
   so the context is the exact token prefix the engine saw.
+- ``inference`` mode (seed 001's ``use_inference_chat_template``): every model turn is its own
+  sample on the context a chat server would have given it, the template's fresh render of the
+  conversation so far (recorded per turn by the rollout as ``Turn.context_ids`` where it differs
+  from the exact prefix: Qwen3 drops earlier turns' reasoning); what production sees. Its
+  rollout logprobs were sampled on the exact prefix, so recomputed old logprobs (the default)
+  and the importance correction absorb the difference.
 
 With a token-mean loss the two modes give the same loss and gradient: the same tokens, the same
 contexts; ``turn`` mode only recomputes shared prefixes. ``collate`` pads samples into tensors,
@@ -105,8 +111,37 @@ def turn_samples(trajs: Sequence[Trajectory], advantages: TurnAdvantages) -> lis
     return out
 
 
+def inference_samples(trajs: Sequence[Trajectory], advantages: TurnAdvantages) -> list[TrainSample]:
+    """One sample per model turn on the context a chat server would have given it (the turn's
+    ``context_ids``: the template's fresh render of the conversation so far, past reasoning
+    dropped where the template drops it), else on the exact prefix; then the turn's tokens."""
+    out = []
+    for traj, adv in zip(trajs, advantages, strict=True):
+        model_turns = [t for t in traj.turns if t.role == "assistant"]
+        for sample in turn_samples([traj], [adv]):
+            context = model_turns[int(sample.turn or 0)].context_ids
+            if context is None:
+                out.append(sample)
+                continue
+            exact = len(traj.prompt_ids) + model_turns[int(sample.turn or 0)].start
+            out.append(
+                replace(
+                    sample,
+                    input_ids=list(context) + sample.input_ids[exact:],
+                    loss_mask=[0] * len(context) + sample.loss_mask[exact:],
+                    rollout_logprobs=[0.0] * len(context) + sample.rollout_logprobs[exact:],
+                    advantages=[0.0] * len(context) + sample.advantages[exact:],
+                )
+            )
+    return out
+
+
 SampleBuilder = Callable[[Sequence[Trajectory], TurnAdvantages], list[TrainSample]]
-SAMPLE_BUILDERS: dict[str, SampleBuilder] = {"trajectory": trajectory_samples, "turn": turn_samples}
+SAMPLE_BUILDERS: dict[str, SampleBuilder] = {
+    "trajectory": trajectory_samples,
+    "turn": turn_samples,
+    "inference": inference_samples,
+}
 
 
 def build_samples(

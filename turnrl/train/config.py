@@ -28,7 +28,9 @@ class AlgorithmConfig(_Strict):
     advantage: str = "grpo"  # a name in turnrl.train.advantages.ESTIMATORS: grpo, rloo, reward_to_go
     normalize_std: bool = True  # grpo / reward_to_go: divide by the group's std
     gamma: float = Field(1.0, ge=0, le=1)  # reward_to_go: discount over later turns
-    samples: Literal["trajectory", "turn"] = "trajectory"  # turn: one sample per model turn (step-wise)
+    # turn: one sample per model turn on its exact context (step-wise); inference: one per model turn
+    # on the context the chat template renders at inference time (past reasoning dropped, etc.)
+    samples: Literal["trajectory", "turn", "inference"] = "trajectory"
     loss_turns: Literal["all", "last"] = "all"  # last: train only each trajectory's last model turn
     loss: str = "ppo"  # a name in turnrl.train.loss.POLICY_LOSSES: ppo, pg, cispo
     clip_low: float = Field(0.2, ge=0, le=1)

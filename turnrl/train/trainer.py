@@ -133,6 +133,8 @@ def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Conso
         optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
     )
     rollout = build_spec(config, engine, tokenizer, build_env_factory(config.env, entry))
+    if config.algorithm.samples == "inference":  # each turn's inference-time context is recorded
+        rollout = dataclasses.replace(rollout, inference_contexts=True)
     start_output(config, resumed)  # every input is valid: now the folder may change
     out = Path(config.output_dir)
     run = Run(
