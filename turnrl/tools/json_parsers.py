@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from abc import abstractmethod
+from typing import Any, ClassVar
 
 from turnrl.tools.parser_base import (
     Found,
@@ -69,64 +70,69 @@ class MistralParser(ToolParser):
         return found, content + "".join(rest)
 
 
-_DS_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
-_DS_CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
-_DS_SEP = "<｜tool▁sep｜>"
+class SectionParser(ToolParser):
+    """Calls in a section (``section`` tags, which an end of turn may also close), each between
+    ``call`` tags with the function's name, a ``separator``, then its JSON arguments."""
+
+    section: ClassVar[tuple[str, str]]
+    call: ClassVar[tuple[str, str]]
+    separator: ClassVar[str]
+
+    def find(self, visible: str) -> tuple[list[Found], str]:
+        """The calls of every section; text outside sections is content."""
+        return blocks(visible, *self.section, self._section, required=False)
+
+    def _section(self, body: str, raw: str) -> list[Found]:
+        found, _ = blocks(body, *self.call, self._call)
+        return found
+
+    def _call(self, body: str, raw: str) -> list[Found]:
+        if self.separator not in body:
+            return [f"no {self.separator} in a tool call: {snippet(raw)}"]
+        head, arguments = body.split(self.separator, 1)
+        name, arguments = self.name_and_arguments(head, arguments)
+        return [make_call(name, arguments.strip(), raw)]
+
+    @abstractmethod
+    def name_and_arguments(self, head: str, arguments: str) -> tuple[str, str]:
+        """The function's name and its arguments' JSON, from the text around the separator."""
+
+
 _FENCE = re.compile(r"^\s*```(?:json)?\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
 
 
 @register_parser("deepseek_v3", "deepseek_v31", "deepseek_r1", "deepseek")
-class DeepSeekParser(ToolParser):
+class DeepSeekParser(SectionParser):
     """DeepSeek's ``<｜tool▁calls▁begin｜>`` section of ``<｜tool▁call▁begin｜>`` calls: V3.1's
     ``NAME<｜tool▁sep｜>{...}`` and V3 / R1's ``function<｜tool▁sep｜>NAME`` + a fenced JSON block."""
 
-    def find(self, visible: str) -> tuple[list[Found], str]:
-        """A section ends at ``<｜tool▁calls▁end｜>`` or at the end of the turn."""
-        return blocks(visible, *_DS_SECTION, self._section, required=False)
+    section = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    call = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
+    separator = "<｜tool▁sep｜>"
 
-    def _section(self, body: str, raw: str) -> list[Found]:
-        found, _ = blocks(body, *_DS_CALL, self._call)
-        return found
-
-    @staticmethod
-    def _call(body: str, raw: str) -> list[Found]:
-        if _DS_SEP not in body:
-            return [f"no {_DS_SEP} in a DeepSeek tool call: {snippet(raw)}"]
-        head, arguments = body.split(_DS_SEP, 1)
-        name = head
-        if head.strip() == "function":  # V3 / R1: the name on its own line, then fenced JSON
-            name, _, arguments = arguments.partition("\n")
-            fenced = _FENCE.match(arguments)
-            arguments = fenced.group(1) if fenced else arguments
-        return [make_call(name, arguments.strip(), raw)]
-
-
-_KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
-_KIMI_CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
-_KIMI_ARGS = "<|tool_call_argument_begin|>"
+    def name_and_arguments(self, head: str, arguments: str) -> tuple[str, str]:
+        """V3 / R1 write ``function``, then the name on its own line and fenced JSON."""
+        if head.strip() != "function":
+            return head, arguments
+        name, _, arguments = arguments.partition("\n")
+        fenced = _FENCE.match(arguments)
+        return name, fenced.group(1) if fenced else arguments
 
 
 @register_parser("kimi_k2", "kimi")
-class KimiK2Parser(ToolParser):
+class KimiK2Parser(SectionParser):
     """Kimi K2: ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}
     <|tool_call_end|>`` calls in a ``<|tool_calls_section_begin|>`` section."""
 
-    def find(self, visible: str) -> tuple[list[Found], str]:
-        """A section ends at its end tag or at the end of the turn."""
-        return blocks(visible, *_KIMI_SECTION, self._section, required=False)
+    section = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    call = ("<|tool_call_begin|>", "<|tool_call_end|>")
+    separator = "<|tool_call_argument_begin|>"
 
-    def _section(self, body: str, raw: str) -> list[Found]:
-        found, _ = blocks(body, *_KIMI_CALL, self._call)
-        return found
-
-    @staticmethod
-    def _call(body: str, raw: str) -> list[Found]:
-        if _KIMI_ARGS not in body:
-            return [f"no {_KIMI_ARGS} in a Kimi tool call: {snippet(raw)}"]
-        head, arguments = body.split(_KIMI_ARGS, 1)
+    def name_and_arguments(self, head: str, arguments: str) -> tuple[str, str]:
+        """The name without its ``functions.`` prefix and ``:INDEX`` suffix."""
         name = head.strip().removeprefix("functions.")
         stem, _, index = name.rpartition(":")
-        return [make_call(stem if stem and index.isdigit() else name, arguments, raw)]
+        return (stem if stem and index.isdigit() else name), arguments
 
 
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from turnrl.tools.base import ParseResult, ToolCall
@@ -23,25 +23,32 @@ Found = ToolCall | str
 THINK = ("<think>", "</think>")
 
 
+def segments(text: str, opening: str, closing: str) -> Iterator[tuple[str, str | None, bool]]:
+    """``text`` cut at its ``opening...closing`` blocks, in order: (the text before a block, the
+    block's inside, whether it is closed); the last item has no block (None). An unclosed block
+    runs to the end. One pass with ``str.find``: a regex would rescan the tail from every
+    unclosed opening tag."""
+    pos = 0
+    while (start := text.find(opening, pos)) >= 0:
+        end = text.find(closing, start + len(opening))
+        if end < 0:
+            yield text[pos:start], text[start + len(opening) :], False
+            return
+        yield text[pos:start], text[start + len(opening) : end], True
+        pos = end + len(closing)
+    yield text[pos:], None, True
+
+
 def split_reasoning(text: str, tags: tuple[str, str] = THINK) -> tuple[str, str]:
     """``text`` as (visible, reasoning): ``open...close`` blocks, text before a lone ``close`` and an
     unclosed ``open`` with all that follows are reasoning. Linear in the text."""
     opening, closing = tags
     kept: list[str] = []
     thought: list[str] = []
-    pos = 0
-    while True:
-        start = text.find(opening, pos)
-        if start < 0:
-            kept.append(text[pos:])
-            break
-        kept.append(text[pos:start])
-        end = text.find(closing, start + len(opening))
-        if end < 0:  # unclosed: the rest is reasoning
-            thought.append(text[start + len(opening) :])
-            break
-        thought.append(text[start + len(opening) : end])
-        pos = end + len(closing)
+    for before, inside, _ in segments(text, opening, closing):
+        kept.append(before)
+        if inside is not None:
+            thought.append(inside)
     visible = "".join(kept)
     if closing in visible:
         before, visible = visible.rsplit(closing, 1)
@@ -137,26 +144,18 @@ def blocks(
     required: bool = True,
 ) -> tuple[list[Found], str]:
     """Split ``visible`` on ``opening...closing`` blocks; an unclosed last block is an error (or, when
-    the closing tag is not ``required``, runs to the end). One pass with ``str.find``: a regex
-    would rescan the tail from every unclosed opening tag."""
+    the closing tag is not ``required``, runs to the end)."""
     found: list[Found] = []
     content: list[str] = []
-    pos = 0
-    while True:
-        start = visible.find(opening, pos)
-        if start < 0:
-            content.append(visible[pos:])
+    for before, inside, closed in segments(visible, opening, closing):
+        content.append(before)
+        if inside is None:
             break
-        content.append(visible[pos:start])
-        end = visible.find(closing, start + len(opening))
-        if end < 0:
-            if required:
-                found.append(f"unclosed {opening} tag: {snippet(visible[start:])}")
-            else:
-                found.extend(parse_block(visible[start + len(opening) :], visible[start:]))
-            break
-        found.extend(parse_block(visible[start + len(opening) : end], visible[start : end + len(closing)]))
-        pos = end + len(closing)
+        raw = opening + inside + (closing if closed else "")
+        if closed or not required:
+            found.extend(parse_block(inside, raw))
+        else:
+            found.append(f"unclosed {opening} tag: {snippet(raw)}")
     return found, "".join(content)
 
 
