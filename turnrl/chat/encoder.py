@@ -276,11 +276,11 @@ class ConversationEncoder:
     ) -> None:
         """Mark as expected (``history_rewrite``) each difference inside the prompt or an
         observation delta that is exactly what the template rendered at that point of the
-        conversation, token for token, right after the model's last token: a template that renders a message
-        otherwise once more follows (Hermes-3 closes the last tool result without its newline,
-        Mistral moves the system prompt to the last user turn, MiniMax's generation prompt opens a
-        <think> that history never shows) rewrites history, and the rollout keeps what the engine
-        saw."""
+        conversation, token for token, right after the model's last token: a template that
+        renders a message otherwise once more follows (Hermes-3 closes the last tool result
+        without its newline, Mistral moves the system prompt to the last user turn, MiniMax's
+        generation prompt opens a <think> that history never shows) rewrites history, and the
+        rollout keeps what the engine saw."""
         runs = _observation_runs(sampled)  # the prompt, then the delta before each later model turn
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"][-len(runs) :]
         if len(turns) != len(runs):

@@ -125,14 +125,14 @@ def _tail_after(text: str, mark: str) -> str:
     return text.split(mark, 1)[1]
 
 
-def call_turn(observation: Sequence[Message], arguments: Any = None) -> Message:
+def call_turn(observation: Sequence[Message]) -> Message:
     """The assistant turn that asked for ``observation``'s tool messages: one call per message, with
     its name and id, marked arguments, and no text (what the model wrote is already in the tokens)."""
     calls = [
         {
             "id": m.get("tool_call_id", call_id(i)),
             "type": "function",
-            "function": {"name": m.get("name") or "probe", "arguments": arguments or {"probe": CALL_MARK}},
+            "function": {"name": m.get("name") or "probe", "arguments": {"probe": CALL_MARK}},
         }
         for i, m in enumerate(observation)
         if m.get("role") == "tool"
@@ -178,13 +178,9 @@ def model_turn(
     try:
         full = tpl.render([*base, message], tools, False)
     except ChatTemplateError:
-        calls = [
-            dict(c, function=dict(c["function"], arguments=json.dumps(c["function"]["arguments"])))
-            for c in message.get("tool_calls") or []
-        ]
-        if not calls:
+        if not message.get("tool_calls"):
             raise
-        message = cast(Message, dict(message, tool_calls=calls))
+        message = string_arguments(message)
         full = tpl.render([*base, message], tools, False)
     prompt = tpl.render(base, tools, True)
     if not full.startswith(prompt):
@@ -214,11 +210,11 @@ def render_after_turn(
     if close is None:
         messages = [*base, assistant_message(ASSISTANT_MARK), *observation]
         return _tail_after(tpl.render(messages, tools, generation_prompt), ASSISTANT_MARK)
+    turn = call_turn(observation)
     try:
-        turn = call_turn(observation)
         alone = tpl.render([*base, turn], tools, False)
     except ChatTemplateError:  # a template that takes arguments only as a JSON string (Functionary)
-        turn = call_turn(observation, json.dumps({"probe": CALL_MARK}))
+        turn = string_arguments(turn)
         alone = tpl.render([*base, turn], tools, False)
     full = tpl.render([*base, turn, *observation], tools, generation_prompt)
     end = turn_end(tpl, alone, close)

@@ -192,12 +192,9 @@ class TemplateReport:
     def role_verdict(self, role: str) -> str:
         """SAFE, NOT SAFE or raises, over the scenarios whose observations are of ``role``."""
         names = ROLES[role]
-        if any(n in self.results and not self.results[n].ok for n in names):
-            return (
-                "NOT SAFE ("
-                + ", ".join(n for n in names if n in self.results and not self.results[n].ok)
-                + ")"
-            )
+        failed = [n for n in names if n in self.results and not self.results[n].ok]
+        if failed:
+            return f"NOT SAFE ({', '.join(failed)})"
         raised = [n for n in names if n in self.errors]
         return f"SAFE where it renders (raises on: {', '.join(raised)})" if raised else "SAFE"
 
