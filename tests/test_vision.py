@@ -21,6 +21,7 @@ from turnrl.models import load_tokenizer, load_vision_processor, resolve_model
 from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
 from turnrl.tools.function import tool
+from turnrl.train.batch import build_samples
 from turnrl.types import EngineError, Message, Sample, SamplingParams, StepResult, StopReason, Trajectory
 from turnrl.vision import ImageTokenError, MultimodalBuffer, VisionProcessor
 from turnrl.vision.processor import image_only_processor
@@ -298,3 +299,50 @@ async def test_viewer_shows_the_images_of_a_vlm_run(
     urls = [p["image"] for m in shown["messages"] if isinstance(m["content"], list) for p in m["content"]
             if p.get("type") == "image"]  # fmt: skip
     assert urls == trajectory_to_json(traj)["images"] and len(urls) == 3
+
+
+# Qwen3.5's template (a real one, from the corpus) renders images and drops earlier turns'
+# reasoning; its generation prompt opens <think>, so a reply starts inside the reasoning.
+QWEN35 = Path(__file__).parent / "templates" / "Qwen3.5-4B.jinja"
+
+
+@pytest.mark.parametrize("template", ["own", "qwen3.5"])
+async def test_step_wise_and_inference_samples_carry_the_images_of_their_own_context(
+    vlm_dirs: dict[str, Path], template: str
+) -> None:
+    """``algorithm.samples: turn`` and ``inference`` with images: each model turn's sample holds
+    exactly the images its context shows (the first k of the trajectory), and the inference
+    context is the template's fresh render with every image expanded to its tokens."""
+    tokenizer = load_tokenizer(str(vlm_dirs["tiny-qwen3-vl"]))
+    vision = load_vision_processor(str(vlm_dirs["tiny-qwen3-vl"]), tokenizer)
+    assert vision is not None
+    if template == "qwen3.5":
+        tokenizer.chat_template = QWEN35.read_text()
+        replies = [f"look {i}\n</think>\n\nI see picture {i}.<|im_end|>" for i in range(4)]
+    else:  # Qwen3-VL instruct: reasoning is plain text it keeps
+        replies = [f"<think>\nlook {i}\n</think>\n\nI see picture {i}.<|im_end|>" for i in range(4)]
+    spec = spec_for(PictureEnv, ScriptedEngine(tokenizer, replies), ChatEncoder(tokenizer, vision=vision))
+    spec.inference_contexts = True
+    traj = await run_trajectory(Sample("p", []), spec)
+    assert traj.num_turns == 4 and traj.metrics["check/ok"]
+    assert "inference_context_errors" not in traj.info
+    model_turns = [t for t in traj.turns if t.role == "assistant"]
+    before = [1, 3, 5, 7]  # the prompt's image, then two more per observation
+    tokens = [image.num_tokens for image in vision.features(traj.images).images]
+    for mode in ("turn", "inference"):
+        samples = build_samples(mode, [traj], [[1.0] * 4])
+        assert [s.turn for s in samples] == [0, 1, 2, 3]
+        for sample, count, turn in zip(samples, before, model_turns, strict=True):
+            grid = sample.multimodal["image_grid_thw"]
+            assert torch.equal(grid, traj.multimodal_inputs["image_grid_thw"][:count])
+            assert len(sample.multimodal["pixel_values"]) == int(grid.prod(dim=-1).sum())
+            assert sample.input_ids.count(vision.image_token_id) == sum(tokens[:count])
+            if mode == "inference" and turn.context_ids is not None:
+                assert sample.input_ids[: len(turn.context_ids)] == turn.context_ids
+    rewritten = [t.context_ids is not None for t in model_turns]
+    # an append-only template: no context differs; Qwen3.5 drops the earlier turns' reasoning
+    assert rewritten == ([False, True, True, True] if template == "qwen3.5" else [False] * 4)
+    if template == "qwen3.5":
+        context = tokenizer.decode(model_turns[3].context_ids)
+        assert "look 0" not in context and "look 2" not in context and "I see picture 2." in context
+    assert traj.metrics.get("inference/rewritten_turns", 0) == sum(rewritten)

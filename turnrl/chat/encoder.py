@@ -193,21 +193,24 @@ class ConversationEncoder:
         """Tokens the template would put after a final model turn (for the sanity check)."""
         return self.template.encode(self._after_model(self.probe.assistant_close, last_token_text))
 
-    def inference_context(self, messages: Sequence[Message]) -> list[int]:
+    def inference_context(self, messages: Sequence[Message], images: Sequence[ImageInput] = ()) -> list[int]:
         """``messages`` as a chat server renders them for the next model turn: the whole history
         re-rendered with the generation prompt (model turns as the model wrote them; from their
         ``tool_calls`` where the template needs those), content spelling control tokens kept as
-        text. Raises ChatTemplateError when the template cannot render them."""
-        if has_images(messages):
-            raise NoVisionError("inference contexts of conversations with images are not rendered yet")
+        text, each image placeholder expanded to its image's tokens (``images``: the images of
+        ``messages`` in order, as the rollout processed them). Raises ChatTemplateError when the
+        template cannot render them, ImageTokenError when the render does not show every image."""
+        if has_images(messages) and self.vision is None:
+            raise NoVisionError("the messages hold images but the model has no image processor")
         as_written = [_without_calls(m) for m in messages]
         try:
-            return self._encode_rendered(self.template.render(as_written, self.tools, True), as_written)
+            ids = self._encode_rendered(self.template.render(as_written, self.tools, True), as_written)
         except ChatTemplateError:
             if not _has_calls(messages):
                 raise
-        as_called = [string_arguments(_as_called(m)) if m.get("tool_calls") else m for m in messages]
-        return self._encode_rendered(self.template.render(as_called, self.tools, True), as_called)
+            as_called = [string_arguments(_as_called(m)) if m.get("tool_calls") else m for m in messages]
+            ids = self._encode_rendered(self.template.render(as_called, self.tools, True), as_called)
+        return ids if self.vision is None else self.vision.expand(ids, images)
 
     def check(
         self,

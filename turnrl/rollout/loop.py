@@ -243,7 +243,7 @@ def _inference_context(ep: Episode, conv: ConversationEncoder) -> list[int] | No
     re-rendered: past reasoning dropped where the template drops it), when that differs from the
     exact token prefix the engine is given; None when it is the same or cannot be rendered."""
     try:
-        ids = conv.inference_context(ep.record.messages)
+        ids = conv.inference_context(ep.record.messages, ep.record.images)
     except Exception:  # a template that cannot render the history: the exact prefix stands
         ep.info["inference_context_errors"] = ep.info.get("inference_context_errors", 0) + 1
         return None

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from turnrl.train.advantages import TurnAdvantages
-from turnrl.types import Sample, Trajectory
-from turnrl.vision.buffer import merge_inputs
+from turnrl.types import Message, Sample, Trajectory
+from turnrl.vision.buffer import first_images, merge_inputs
+from turnrl.vision.content import is_image_part
 
 
 @dataclass
@@ -87,12 +88,9 @@ def turn_samples(trajs: Sequence[Trajectory], advantages: TurnAdvantages) -> lis
     for traj, adv in zip(trajs, advantages, strict=True):
         if not _trainable(traj):
             continue
-        if traj.images:
-            raise ValueError(
-                "step-wise samples (algorithm.samples: turn) do not take images yet: use trajectory"
-            )
         per_token = _token_advantages(traj, adv)
         model_turns = [t for t in traj.turns if t.role == "assistant"]
+        seen = images_before_model_turns(traj.messages) if traj.images else [0] * len(model_turns)
         for k, turn in enumerate(model_turns):
             span = slice(turn.start, turn.end)
             if not any(traj.loss_mask[span]):
@@ -106,8 +104,22 @@ def turn_samples(trajs: Sequence[Trajectory], advantages: TurnAdvantages) -> lis
                     advantages=[0.0] * context + per_token[span],
                     trajectory_id=traj.id,
                     turn=k,
+                    multimodal=first_images(traj.multimodal_inputs, seen[k]),
                 )
             )
+    return out
+
+
+def images_before_model_turns(messages: Sequence[Message]) -> list[int]:
+    """Per model turn (assistant message): how many images the messages before it hold, the
+    images of that turn's context (images are numbered in order of appearance)."""
+    out, seen = [], 0
+    for message in messages:
+        if message.get("role") == "assistant":
+            out.append(seen)
+        content = message.get("content")
+        if not isinstance(content, str):
+            seen += sum(1 for part in content or [] if is_image_part(part))
     return out
 
 

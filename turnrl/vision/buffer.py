@@ -45,3 +45,16 @@ def merge_inputs(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         else:
             merged[key] = [x for v in values for x in (v if isinstance(v, list) else [v])]
     return merged
+
+
+def first_images(inputs: Mapping[str, Any], count: int) -> dict[str, Any]:
+    """The merged processor outputs of a trajectory's first ``count`` images (a context that
+    ends before the later ones): ``image_grid_thw`` rows ``[:count]`` and the ``pixel_values``
+    rows of their patches. Empty for no images."""
+    if count <= 0 or "image_grid_thw" not in inputs:
+        return {}
+    grid = inputs["image_grid_thw"]
+    if count >= len(grid):
+        return dict(inputs)
+    rows = int(grid[:count].prod(dim=-1).sum())
+    return {"pixel_values": inputs["pixel_values"][:rows], "image_grid_thw": grid[:count]}
