@@ -77,6 +77,16 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.train import load_train_config
+    from turnrl.train.eval_run import EVAL_FILE, evaluate
+
+    config = load_train_config(args.config, args.set)
+    out = evaluate(config, args.checkpoint, args.out, console)
+    console.print(f"wrote {out / EVAL_FILE} and {Path(EVAL_FILE).with_suffix('.json').name}")
+    return 0
+
+
 def _serve(args: argparse.Namespace, console: Console) -> int:
     from turnrl.app.serve import main as serve_main
 
@@ -150,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--overwrite", action="store_true", help="replace the run in output_dir")
     tr.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     tr.set_defaults(func=_train)
+    ev = sub.add_parser("eval", help="mean reward and pass@k on a train config's held-out set (eval.data)")
+    ev.add_argument("config", help="YAML train config")
+    ev.add_argument("--checkpoint", help="a checkpoint of the run (checkpoints/step_N) or a model folder")
+    ev.add_argument("--out", help="where to write eval.jsonl and eval.json (default CHECKPOINT/eval)")
+    ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    ev.set_defaults(func=_eval)
     srv = sub.add_parser("serve", help="start this node's engines on Ray and register them", add_help=False)
     srv.add_argument("serve_args", nargs=argparse.REMAINDER, help="see `turnrl serve --help`")
     srv.set_defaults(func=_serve)

@@ -128,8 +128,26 @@ class EvalConfig(_Strict):
 
     data: DataConfig | None = None  # None: no evaluation
     every: int = Field(5, ge=0)  # 0: only at the start and the end
-    group_size: int = Field(1, ge=1)  # trajectories per prompt
+    group_size: int = Field(1, ge=1)  # trajectories per prompt (pass@k needs k of them)
     temperature: float = Field(0.0, ge=0)  # 0: greedy (the same seeds at every evaluation)
+    k: list[int] = Field(default_factory=lambda: [1])  # pass@k for each k up to group_size
+    pass_reward: float = 1.0  # a trajectory passes when its reward is at least this
+
+    @field_validator("k")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if any(k < 1 for k in value):
+            raise ValueError(f"eval.k holds a k below 1: {value}")
+        return sorted(set(value))
+
+    @model_validator(mode="after")
+    def _enough_samples(self) -> EvalConfig:
+        if self.k and max(self.k) > self.group_size:
+            raise ValueError(
+                f"eval.k asks for pass@{max(self.k)} but eval.group_size is {self.group_size}: "
+                f"set eval.group_size to at least {max(self.k)}"
+            )
+        return self
 
 
 class WarmStartConfig(_Strict):

@@ -55,6 +55,7 @@ from turnrl.train.batch import (
 )
 from turnrl.train.checkpoint import plan_output, restore_training_state, save_checkpoint, start_output
 from turnrl.train.config import TrainConfig
+from turnrl.train.evaluation import EVAL_SEED_OFFSET, eval_metrics, run_eval
 from turnrl.train.exclusions import exclude_failures, exclusion_metrics
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.lora import full_weights, is_lora, saved_adapter, serving_weights, wrap_lora
@@ -63,8 +64,6 @@ from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plo
 from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
 from turnrl.types import Engine, Sample, Trajectory, as_updatable
-
-EVAL_SEED_OFFSET = 1234  # held-out evaluations sample with the run's seed + this, at every evaluation
 
 
 @dataclass
@@ -301,22 +300,16 @@ async def evaluate(run: Run, step: int, name: str = "") -> dict[str, float]:
         return {}
     cfg = run.config
     t0 = time.perf_counter()
-    seed = cfg.seed + EVAL_SEED_OFFSET  # the same at every evaluation, so they compare
-    sampling = dataclasses.replace(run.spec.sampling, temperature=cfg.eval.temperature, seed=seed)
-    spec = dataclasses.replace(run.spec, sampling=sampling)
-    out_path = run.out_dir / "eval" / f"{name or f'step_{step:06d}'}.jsonl"
-    out_path.unlink(missing_ok=True)
-    group = cfg.eval.group_size
-    on_done = run.phase(f"eval {name or step}", len(run.eval_samples) * group)
-    trajs = await collect(
+    trajs, rows = await run_eval(
         run.eval_samples,
-        spec,
-        group_size=group,
+        run.spec,
+        cfg.eval,
+        cfg.seed + EVAL_SEED_OFFSET,  # the same at every evaluation, so they compare
         concurrency=cfg.rollout.concurrency,
-        out_path=out_path,
-        on_done=on_done,
+        out_path=run.out_dir / "eval" / f"{name or f'step_{step:06d}'}.jsonl",
+        on_done=run.phase(f"eval {name or step}", len(run.eval_samples) * cfg.eval.group_size),
     )
-    return rollout_metrics(trajs, "eval/") | {"time/eval": time.perf_counter() - t0}
+    return rollout_metrics(trajs, "eval/") | eval_metrics(rows) | {"time/eval": time.perf_counter() - t0}
 
 
 async def _start(run: Run) -> dict[str, float]:

@@ -1,0 +1,109 @@
+"""``turnrl eval CONFIG [--checkpoint DIR]``: the held-out set of a train config, rolled out by the
+config's model or a checkpoint of it; mean reward and pass@k per data source with 95% intervals."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from turnrl.app.engines import build_engine
+from turnrl.app.parts import RunError, build_env_factory, build_spec, load_samples
+from turnrl.app.run import SERVERS, check_writable
+from turnrl.env.registry import resolve_env
+from turnrl.train.config import TrainConfig
+from turnrl.train.evaluation import EVAL_SEED_OFFSET, EvalRow, report_table, run_eval
+from turnrl.types import Trajectory
+
+EVAL_FILE = "eval.jsonl"  # the trajectories; eval.json beside it holds the numbers
+
+
+def checkpoint_model(checkpoint: Path, base: str, out_dir: Path) -> str:
+    """The model folder of a checkpoint (``step_N/``, its ``model/``, or any saved model folder).
+    LoRA adapters are merged into the config's model once, into ``out_dir/merged_model``."""
+    folder = checkpoint / "model" if (checkpoint / "model").is_dir() else checkpoint
+    if (folder / "adapter_config.json").is_file():
+        return str(_merge_adapters(folder, base, out_dir / "merged_model"))
+    if not (folder / "config.json").is_file():
+        raise RunError(f"no model in {checkpoint} (expected a checkpoint step folder or a model folder)")
+    return str(folder)
+
+
+def _merge_adapters(adapters: Path, base: str, out: Path) -> Path:
+    from peft import PeftModel
+
+    from turnrl.models import load_model, load_tokenizer
+
+    merged = PeftModel.from_pretrained(load_model(base), str(adapters)).merge_and_unload()
+    merged.save_pretrained(out)
+    load_tokenizer(base).save_pretrained(out)
+    return out
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]eval"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]:.3f}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+async def evaluate_config(
+    config: TrainConfig, checkpoint: Path | None, out_dir: Path, console: Console
+) -> tuple[list[Trajectory], list[EvalRow]]:
+    """Validate, load, roll out the held-out prompts and write ``out_dir/eval.jsonl`` and ``eval.json``."""
+    if config.eval.data is None:
+        raise RunError("the config has no held-out set: set eval.data (e.g. --set eval.data.path=FILE)")
+    entry = resolve_env(config.env.name)
+    samples = load_samples(config.eval.data, entry)
+    check_writable(out_dir)
+    env_factory = build_env_factory(config.env, entry)
+    if checkpoint is not None:
+        with console.status(f"reading {checkpoint}"):
+            model = checkpoint_model(checkpoint, config.model, out_dir)
+        config = config.model_copy(update={"model": model})
+    with console.status(f"loading {config.model}") as status:
+        engine, tokenizer = build_engine(config, out_dir / SERVERS, say=status.update)
+    spec = build_spec(config, engine, tokenizer, env_factory)
+    total = len(samples) * config.eval.group_size
+    seen: list[float] = []
+    try:
+        with _progress(console) as bar:
+            task = bar.add_task("eval", total=total, reward=0.0)
+
+            def on_done(traj: Trajectory) -> None:
+                seen.append(traj.reward)
+                bar.update(task, advance=1, reward=sum(seen) / len(seen))
+
+            return await run_eval(
+                samples,
+                spec,
+                config.eval,
+                config.seed + EVAL_SEED_OFFSET,  # the trainer's evaluation seeds: the numbers compare
+                concurrency=config.rollout.concurrency,
+                out_path=out_dir / EVAL_FILE,
+                on_done=on_done,
+            )
+    finally:
+        await engine.close()
+        shutdown = getattr(env_factory, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def evaluate(config: TrainConfig, checkpoint: str | None, out: str | None, console: Console) -> Path:
+    """Run ``turnrl eval``; print the table; the folder written."""
+    ckpt = Path(checkpoint) if checkpoint else None
+    if ckpt is not None and not ckpt.is_dir():
+        raise RunError(f"no checkpoint folder at {ckpt}")
+    out_dir = Path(out) if out else (ckpt / "eval" if ckpt else Path(config.output_dir) / "eval" / "model")
+    _, rows = asyncio.run(evaluate_config(config, ckpt, out_dir, console))
+    if not rows:
+        raise RunError("no trajectory was rolled out (is the held-out set empty?)")
+    console.print(report_table(rows, f"{config.env.name} on {ckpt or config.model}"))
+    return out_dir

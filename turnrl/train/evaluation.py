@@ -1,0 +1,188 @@
+"""Held-out evaluation numbers: mean reward and pass@k per data source, with 95% confidence intervals.
+
+One code path for ``turnrl eval`` and the trainer's periodic evaluation. A trajectory passes when
+its reward is at least ``pass_reward``. pass@k is the unbiased estimator of Chen et al. (2021)
+over the ``n`` trajectories of a prompt with ``c`` passes, ``1 - C(n-c, k) / C(n, k)``, defined
+for ``k <= n``. Trajectories of one prompt are correlated, so the prompt is the unit of the
+confidence interval: each prompt's value (its mean reward, its pass@k), then their mean
+``± 1.96 · s / √P`` with ``s`` the sample standard deviation over the ``P`` prompts (a normal
+approximation; none below two prompts; pass@k's clipped to [0, 1]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from turnrl.rollout.collector import OnDone, collect
+from turnrl.rollout.loop import RolloutSpec
+from turnrl.train.config import EvalConfig
+from turnrl.types import Sample, Trajectory
+
+ALL = "all"  # the row over every data source
+Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
+EVAL_SEED_OFFSET = 1234  # evaluations sample with the run's seed + this: the same at every one
+
+
+@dataclass
+class Estimate:
+    """A mean over prompts and its 95% confidence interval (None below two prompts)."""
+
+    mean: float
+    low: float | None = None
+    high: float | None = None
+
+
+@dataclass
+class EvalRow:
+    """The numbers of one data source (or of all, ``ALL``)."""
+
+    data_source: str
+    prompts: int
+    trajectories: int
+    reward: Estimate
+    pass_at: dict[int, Estimate] = field(default_factory=dict)  # k -> pass@k
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The probability that at least one of ``k`` of ``n`` samples (``c`` of them correct) passes."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def estimate(values: Sequence[float], bounds: tuple[float, float] | None = None) -> Estimate:
+    """The mean of per-prompt ``values`` with its normal-approximation 95% interval, clipped to
+    ``bounds`` where the quantity has them (a rate lies in [0, 1])."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return Estimate(mean)
+    half = Z95 * statistics.stdev(values) / math.sqrt(len(values))
+    low, high = mean - half, mean + half
+    if bounds is not None:
+        low, high = max(low, bounds[0]), min(high, bounds[1])
+    return Estimate(mean, low, high)
+
+
+def _row(source: str, groups: list[list[Trajectory]], ks: Sequence[int], pass_reward: float) -> EvalRow:
+    size = min(len(g) for g in groups)
+    row = EvalRow(
+        source,
+        prompts=len(groups),
+        trajectories=sum(len(g) for g in groups),
+        reward=estimate([statistics.fmean(t.reward for t in g) for g in groups]),
+    )
+    for k in ks:
+        if k <= size:  # every prompt has at least k trajectories
+            passes = [pass_at_k(len(g), sum(t.reward >= pass_reward for t in g), k) for g in groups]
+            row.pass_at[k] = estimate(passes, (0.0, 1.0))
+    return row
+
+
+def eval_rows(
+    trajs: Sequence[Trajectory], ks: Sequence[int] = (1,), pass_reward: float = 1.0
+) -> list[EvalRow]:
+    """One row per data source (sorted), then the ``ALL`` row; empty for no trajectories. pass@k is
+    given for each ``k`` that every prompt has enough trajectories for."""
+    groups: dict[str, list[Trajectory]] = {}
+    for traj in trajs:
+        groups.setdefault(traj.group_id, []).append(traj)
+    by_source: dict[str, list[list[Trajectory]]] = {}
+    for group in groups.values():
+        by_source.setdefault(group[0].data_source or "", []).append(group)
+    if not groups:
+        return []
+    rows = [_row(source, by_source[source], ks, pass_reward) for source in sorted(by_source)]
+    everything = [g for source in sorted(by_source) for g in by_source[source]]
+    return (
+        [*rows, _row(ALL, everything, ks, pass_reward)]
+        if len(rows) > 1
+        else [_row(ALL, everything, ks, pass_reward)]
+    )
+
+
+def eval_metrics(rows: Sequence[EvalRow], prefix: str = "eval/") -> dict[str, float]:
+    """The rows as flat scalars: ``eval/pass@1``, ``eval/reward/ci95_low``...; per data source
+    under ``eval/<source>/``."""
+    out: dict[str, float] = {}
+    for row in rows:
+        head = prefix if row.data_source == ALL else f"{prefix}{row.data_source or 'unnamed'}/"
+        named = {"reward/mean": row.reward, **{f"pass@{k}": e for k, e in row.pass_at.items()}}
+        for name, e in named.items():
+            out[head + name] = e.mean
+            if e.low is not None and e.high is not None:
+                out[f"{head}{name}/ci95_low"], out[f"{head}{name}/ci95_high"] = e.low, e.high
+    return out
+
+
+def write_report(path: Path, rows: Sequence[EvalRow], about: dict[str, Any]) -> None:
+    """``rows`` as JSON with what was evaluated (``about``: model, data, sampling...)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {**about, "rows": [asdict(r) for r in rows]}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _cell(e: Estimate) -> str:
+    if e.low is None or e.high is None:
+        return f"{e.mean:.3f}"
+    return f"{e.mean:.3f} [{e.low:.3f}, {e.high:.3f}]"
+
+
+def report_table(rows: Sequence[EvalRow], title: str = "held-out evaluation") -> Table:
+    """A short table: per data source, prompts, trajectories, reward and pass@k with 95% CIs."""
+    ks = sorted({k for r in rows for k in r.pass_at})
+    table = Table(title=f"{title}: mean [95% interval over prompts]")
+    for name in ("data source", "prompts", "trajectories", "reward", *(f"pass@{k}" for k in ks)):
+        table.add_column(name, justify="left" if name == "data source" else "right")
+    for r in rows:
+        passes = [_cell(r.pass_at[k]) if k in r.pass_at else "-" for k in ks]
+        table.add_row(
+            r.data_source or "(none)", str(r.prompts), str(r.trajectories), _cell(r.reward), *passes
+        )
+    return table
+
+
+async def run_eval(
+    samples: Sequence[Sample],
+    spec: RolloutSpec,
+    config: EvalConfig,
+    seed: int,
+    *,
+    concurrency: int,
+    out_path: Path,
+    on_done: OnDone | None = None,
+) -> tuple[list[Trajectory], list[EvalRow]]:
+    """Roll out ``samples`` with the evaluation's sampling (``config.temperature``, base ``seed``:
+    the same at every evaluation, so they compare), ``config.group_size`` per prompt, trajectories
+    written to ``out_path`` (``.jsonl``); then the rows, also written beside it as ``.json``."""
+    sampling = dataclasses.replace(spec.sampling, temperature=config.temperature, seed=seed)
+    out_path.unlink(missing_ok=True)
+    trajs = await collect(
+        list(samples),
+        dataclasses.replace(spec, sampling=sampling),
+        group_size=config.group_size,
+        concurrency=concurrency,
+        out_path=out_path,
+        on_done=on_done,
+    )
+    rows = eval_rows(trajs, config.k, config.pass_reward)
+    about = {
+        "prompts": len(samples),
+        "group_size": config.group_size,
+        "temperature": config.temperature,
+        "seed": seed,
+        "pass_reward": config.pass_reward,
+        "trajectories": out_path.name,
+    }
+    write_report(out_path.with_suffix(".json"), rows, about)
+    return trajs, rows
