@@ -67,9 +67,10 @@ def _rollout(args: argparse.Namespace, console: Console) -> int:
 def _train(args: argparse.Namespace, console: Console) -> int:
     from turnrl.train import load_train_config, train
     from turnrl.train.checkpoint import holds_run
+    from turnrl.train.data_parallel import launched_ranks
 
     config = load_train_config(args.config, args.set)
-    if not (args.resume or args.overwrite):
+    if not (args.resume or args.overwrite or launched_ranks() > 1):  # ranks must agree on the folder
         config = config.model_copy(update={"output_dir": _fresh(config.output_dir, holds_run, console)})
     _resume_hint(args, config.output_dir, holds_run)
     train(config, overwrite=args.overwrite, resume=args.resume, console=console)

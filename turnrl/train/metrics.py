@@ -152,20 +152,30 @@ class MetricsLog:
     """Appends one JSON record per step to metrics.jsonl, prints a line, and feeds a tracker."""
 
     def __init__(
-        self, out_dir: Path, console: Console, tracker: Tracker | None, resume_step: int | None = None
+        self,
+        out_dir: Path,
+        console: Console,
+        tracker: Tracker | None,
+        resume_step: int | None = None,
+        write: bool = True,
     ) -> None:
-        """Start metrics.jsonl afresh, or, resuming at ``resume_step``, keep its records up to that step."""
+        """Start metrics.jsonl afresh, or, resuming at ``resume_step``, keep its records up to that
+        step. Without ``write`` (a data-parallel rank other than 0) the records stay in memory."""
         self.path = out_dir / METRICS
         self.console = console
         self.tracker = tracker
+        self.write = write
         kept = read_metrics(self.path) if resume_step is not None else []
         self.records = [r for r in kept if resume_step is not None and r["step"] <= resume_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        if write:
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
 
     def log(self, step: int, steps: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` for ``step``."""
         record = {"step": step, **metrics}
         self.records.append(record)
+        if not self.write:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.console.print(_console_line(step, steps, metrics), highlight=False, soft_wrap=True)

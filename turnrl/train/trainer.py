@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import io
 import random
 import re
 import shutil
@@ -55,6 +56,19 @@ from turnrl.train.batch import (
 )
 from turnrl.train.checkpoint import plan_output, restore_training_state, save_checkpoint, start_output
 from turnrl.train.config import TrainConfig
+from turnrl.train.data_parallel import (
+    SINGLE,
+    Ranks,
+    barrier,
+    close_ranks,
+    gather,
+    init_ranks,
+    launched_ranks,
+    param_spread,
+    shard,
+    sum_across,
+    sum_gradients,
+)
 from turnrl.train.evaluation import EVAL_SEED_OFFSET, eval_metrics, run_eval
 from turnrl.train.exclusions import exclude_failures, exclusion_metrics
 from turnrl.train.logprobs import token_logprobs
@@ -86,6 +100,7 @@ class Run:
     progress: TrainProgress | None = None  # the console's progress bars, while training runs
     weights_dir: Path | None = None  # where weight updates for server engines are written
     console: Console | None = None  # where the run reports
+    ranks: Ranks = SINGLE  # this process among the data-parallel training processes (torchrun)
 
     def phase(self, name: str, total: int) -> OnDone | None:
         """Show a phase of ``total`` trajectories; the callback that counts them."""
@@ -105,9 +120,12 @@ def trainable_parameters(model: Any, patterns: list[str]) -> list[torch.nn.Param
     return params
 
 
-def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Console) -> Run:
+def build_run(
+    config: TrainConfig, overwrite: bool, resume: bool, console: Console, ranks: Ranks = SINGLE
+) -> Run:
     """Check the output folder, load data, models, optimizer and engine; restore a checkpoint."""
     resumed = plan_output(config, overwrite, resume)
+    barrier(ranks)  # every rank has checked the folder before rank 0 writes to it
     hf_logging.disable_progress_bar()
     torch.manual_seed(config.seed)
     random.seed(config.seed)
@@ -134,12 +152,13 @@ def build_run(config: TrainConfig, overwrite: bool, resume: bool, console: Conso
     rollout = build_spec(config, engine, tokenizer, build_env_factory(config.env, entry))
     if config.algorithm.samples == "inference":  # each turn's inference-time context is recorded
         rollout = dataclasses.replace(rollout, inference_contexts=True)
-    start_output(config, resumed)  # every input is valid: now the folder may change
+    if ranks.main:
+        start_output(config, resumed)  # every input is valid: now the folder may change
     out = Path(config.output_dir)
     run = Run(
         config, policy, ref, tokenizer, engine, optimizer, scheduler, rollout, samples, eval_samples, out
     )
-    run.console = console
+    run.console, run.ranks = console, ranks
     if resumed:
         run.step = restore_training_state(resumed.model_dir.parent, optimizer, scheduler)
         run.resumed = True
@@ -196,8 +215,9 @@ def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, floa
     """
     cfg, algo = run.config, run.config.algorithm
     minis = [batches[i :: cfg.train.mini_batches] for i in range(cfg.train.mini_batches)]
-    minis = [m for m in minis if m]
-    normalizer = tokens / len(minis)
+    if not run.ranks.distributed:  # ranks take the same optimizer steps, empty or not
+        minis = [m for m in minis if m]
+    normalizer = tokens / len(minis)  # the step's loss tokens, over every rank
     totals = {"loss": 0.0, "tokens": 0.0, "clipped": 0.0, "kl": 0.0, "grad_norm": 0.0, "steps": 0.0}
     for _ in range(cfg.train.ppo_epochs):
         for mini in minis:
@@ -218,11 +238,14 @@ def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, floa
                 totals["clipped"] += result.clipped
                 totals["kl"] += result.kl_sum
             params = [p for p in run.policy.parameters() if p.requires_grad]
+            sum_gradients(params, run.ranks)
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
             totals["grad_norm"] += float(norm)
             run.optimizer.step()
             run.scheduler.step()
             totals["steps"] += 1
+    keys = ("loss", "tokens", "clipped", "kl")
+    totals.update(zip(keys, sum_across([totals[k] for k in keys], run.ranks), strict=True))
     steps, seen = max(totals["steps"], 1.0), max(totals["tokens"], 1.0)
     return {
         "loss/value": totals["loss"] / steps,
@@ -238,8 +261,10 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     cfg = run.config
     t0 = time.perf_counter()
     prompts = step_prompts(run.samples, cfg.train.prompts_per_step, step - 1, cfg.seed)
+    prompts = shard(prompts, run.ranks)  # this rank's share (all of them in one process)
     sampling = dataclasses.replace(run.spec.sampling, seed=step_seed(cfg.seed, step))
-    out_path = run.out_dir / "rollouts" / f"step_{step:06d}.jsonl" if cfg.train.save_rollouts else None
+    name = f"step_{step:06d}" + (f".rank{run.ranks.rank}" if run.ranks.distributed else "")
+    out_path = run.out_dir / "rollouts" / f"{name}.jsonl" if cfg.train.save_rollouts else None
     if out_path is not None:
         out_path.unlink(missing_ok=True)  # a resumed run redoes the step
     spec = dataclasses.replace(run.spec, sampling=sampling)
@@ -250,7 +275,7 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     )
     trajs.sort(key=lambda t: (t.group_id, t.sample_index))
     t1 = time.perf_counter()
-    metrics = rollout_metrics(trajs)
+    metrics = rollout_metrics(_every_ranks(trajs, run.ranks))
     trajs, refused = _on_policy(run, trajs)
     trajs, excluded = exclude_failures(trajs, cfg.algorithm.train_on_failures)
     advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
@@ -259,19 +284,30 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     metrics |= exclusion_metrics(trajs, advantages, samples, excluded)
     if cfg.algorithm.kl_coef == 0:  # all-zero advantages: exactly zero loss, so skip their compute
         samples = [s for s in samples if any(s.advantages)]
-    metrics |= {"train/samples": len(samples), "train/tokens": tokens}
-    metrics["train/refused_versions"] = refused
-    if samples:
+    everyone = sum_across([tokens, len(samples), refused], run.ranks)  # every rank's
+    tokens, trained = int(everyone[0]), int(everyone[1])
+    metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
+    if trained:
         pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
         groups = micro_batches(samples, cfg.train.micro_batch_tokens)
         batches = [collate(group, pad).to(run.policy.device) for group in groups]
-        metrics |= _prepare(run, batches)
+        metrics |= _prepare(run, batches) if batches else {}
         metrics |= update_policy(run, batches, tokens)
+    if run.ranks.distributed:
+        metrics["dist/param_spread"] = param_spread(run.policy, run.ranks)
     t2 = time.perf_counter()
     await push_weights(run)
     t3 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/train": t2 - t1}
     return metrics | {"time/sync": t3 - t2, "time/step": t3 - t0}
+
+
+def _every_ranks(trajs: list[Trajectory], ranks: Ranks) -> list[Trajectory]:
+    """The step's trajectories of every rank, for its metrics (without messages and images)."""
+    if not ranks.distributed:
+        return trajs
+    light = [dataclasses.replace(t, messages=[], images=[], multimodal_inputs={}) for t in trajs]
+    return [t for part in gather(light, ranks) for t in part]
 
 
 def _on_policy(run: Run, trajs: list[Trajectory]) -> tuple[list[Trajectory], int]:
@@ -295,8 +331,9 @@ def _on_policy(run: Run, trajs: list[Trajectory]) -> tuple[list[Trajectory], int
 
 
 async def evaluate(run: Run, step: int, name: str = "") -> dict[str, float]:
-    """Roll out the held-out prompts (eval sampling, fixed seeds); their metrics as ``eval/...``."""
-    if not run.eval_samples:
+    """Roll out the held-out prompts (eval sampling, fixed seeds); their metrics as ``eval/...``
+    (rank 0 only)."""
+    if not run.eval_samples or not run.ranks.main:
         return {}
     cfg = run.config
     t0 = time.perf_counter()
@@ -338,6 +375,8 @@ async def push_weights(run: Run) -> None:
 
 
 def _save(run: Run, step: int) -> None:
+    if not run.ranks.main:  # every rank holds the same weights: rank 0 writes them
+        return
     parts = (run.policy, run.tokenizer, run.optimizer, run.scheduler)
     loop = run.config.train
     save_checkpoint(run.out_dir, step, *parts, loop.keep_checkpoints, with_optimizer=loop.save_optimizer)
@@ -350,16 +389,45 @@ def _due(step: int, every: int, last: int) -> bool:
 async def train_async(
     config: TrainConfig, *, overwrite: bool = False, resume: bool = False, console: Console | None = None
 ) -> dict[str, Any]:
-    """Train for ``train.steps`` steps; the last step's metrics, and the first eval as ``start/...``."""
+    """Train for ``train.steps`` steps; the last step's metrics, and the first eval as ``start/...``.
+    Started by ``torchrun``, each process is one data-parallel rank (see ``data_parallel``)."""
+    config, ranks = _join_ranks(config)
     console = console or Console(stderr=True)
-    with console.status(f"loading {config.model} and checking the run's inputs"):
-        run = build_run(config, overwrite, resume, console)
+    if not ranks.main:  # rank 0 reports for all
+        console = Console(file=io.StringIO())
+    try:
+        with console.status(f"loading {config.model} and checking the run's inputs"):
+            run = build_run(config, overwrite, resume, console, ranks)
+        return await _train_loop(run)
+    finally:
+        close_ranks(ranks)
+
+
+def _join_ranks(config: TrainConfig) -> tuple[TrainConfig, Ranks]:
+    """This process's rank (one process: ``SINGLE``) and the config with its device."""
+    if launched_ranks() > 1 and not isinstance(config.engine, HFEngineConfig):
+        raise ValueError(
+            "data-parallel training (torchrun) runs the embedded engine on every rank: "
+            f"engine.kind {config.engine.kind!r} is not supported there yet"
+        )
+    device = config.engine.device if isinstance(config.engine, HFEngineConfig) else "cpu"
+    ranks, device = init_ranks(device)
+    if isinstance(config.engine, HFEngineConfig) and device != config.engine.device:
+        config = config.model_copy(update={"engine": config.engine.model_copy(update={"device": device})})
+    return config, ranks
+
+
+async def _train_loop(run: Run) -> dict[str, Any]:
+    config, console, main = run.config, run.console or Console(stderr=True), run.ranks.main
+    ranks = f" on {run.ranks.world} ranks" if run.ranks.distributed else ""
     console.print(
-        f"{config.model}: {len(run.samples)} training prompts, {len(run.eval_samples)} held-out; "
+        f"{config.model}: {len(run.samples)} training prompts, {len(run.eval_samples)} held-out{ranks}; "
         f"writing {run.out_dir}"
     )
-    tracker = make_tracker(config.train.tracker, run.out_dir, config.model_dump(mode="json"))
-    log = MetricsLog(run.out_dir, console, tracker, run.step if run.resumed else None)
+    tracker = (
+        make_tracker(config.train.tracker, run.out_dir, config.model_dump(mode="json")) if main else None
+    )
+    log = MetricsLog(run.out_dir, console, tracker, run.step if run.resumed else None, write=main)
     steps, first = config.train.steps, run.step
     run.progress = TrainProgress(console, steps, first)
     try:
@@ -384,7 +452,7 @@ async def train_async(
         await run.engine.close()
         if run.weights_dir is not None and not getattr(config.engine, "weights_dir", None):
             shutil.rmtree(run.weights_dir, ignore_errors=True)
-    if config.train.plot:
+    if config.train.plot and main:
         console.print(plot_rewards(log.records, run.out_dir / "rewards.png"))
     first_record = log.records[0] if log.records else {}
     console.print(held_out_summary(log.records))

@@ -1,0 +1,66 @@
+"""One data-parallel rank of tests/test_train_distributed.py, started by torchrun: a fixed batch of
+training samples, this rank's share of it, one optimizer step; writes its loss and weights."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from turnrl.models import load_model
+from turnrl.train.batch import TrainSample, collate, micro_batches
+from turnrl.train.config import TrainConfig
+from turnrl.train.data_parallel import close_ranks, init_ranks, shard
+from turnrl.train.trainer import _prepare, update_policy
+
+
+def fixed_samples(count: int) -> list[TrainSample]:
+    """``count`` samples of different lengths: a context, then trained tokens with advantages."""
+    rng = random.Random(7)
+    out = []
+    for _ in range(count):
+        context, trained = rng.randint(3, 12), rng.randint(2, 9)
+        ids = [rng.randrange(1000, 20000) for _ in range(context + trained)]
+        advantage = rng.choice([-1.0, 0.5, 1.5])
+        out.append(
+            TrainSample(
+                input_ids=ids,
+                loss_mask=[0] * context + [1] * trained,
+                rollout_logprobs=[0.0] * context + [-rng.uniform(5, 12) for _ in range(trained)],
+                advantages=[0.0] * context + [advantage] * trained,
+            )
+        )
+    return out
+
+
+def main(model_dir: str, out: str) -> None:
+    ranks, _ = init_ranks("cpu")
+    torch.manual_seed(0)
+    policy = load_model(model_dir)
+    config = TrainConfig.model_validate({"model": model_dir, "env": {"name": "guess_number"}})
+    # plain SGD: the weights move by the gradient itself (Adam's first step divides each gradient
+    # by its own magnitude, which turns rounding in a near-zero gradient into a full-size step)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    run = SimpleNamespace(config=config, policy=policy, ref=None, optimizer=optimizer, scheduler=scheduler)
+    run.ranks = ranks
+    samples = fixed_samples(8)
+    tokens = sum(sum(s.loss_mask) for s in samples)  # the whole step's loss tokens
+    mine = shard(samples, ranks)
+    batches = [collate(group, 0) for group in micro_batches(mine, 40)]  # several per rank
+    _prepare(run, batches)  # type: ignore[arg-type]
+    metrics = update_policy(run, batches, tokens)  # type: ignore[arg-type]
+    folder = Path(out)
+    torch.save(policy.state_dict(), folder / f"weights.{ranks.world}.{ranks.rank}.pt")
+    grads = {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}
+    torch.save(grads, folder / f"grads.{ranks.world}.{ranks.rank}.pt")
+    (folder / f"metrics.{ranks.world}.{ranks.rank}.json").write_text(json.dumps(metrics))
+    close_ranks(ranks)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

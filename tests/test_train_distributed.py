@@ -1,0 +1,122 @@
+"""Data-parallel training on torch.distributed: ranks started by torchrun on the gloo backend (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from turnrl.data import to_samples
+from turnrl.rollout.codec import trajectory_from_json
+from turnrl.train.batch import step_prompts
+from turnrl.train.metrics import read_metrics
+
+HERE = Path(__file__).parent
+
+
+def torchrun(ranks: int, *args: str, cwd: Path | None = None, path: Path | None = None) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        *args,
+    ]
+    done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_two_gloo_ranks_make_the_one_process_update(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    """A fixed batch of 8 samples: one process trains on all of them; two ranks on 4 each, with
+    the loss normalized by the whole batch's tokens and the gradients summed across ranks. Both
+    ranks end with identical weights, equal to the one-process update; the losses are equal."""
+    worker = str(HERE / "dp_worker.py")
+    torchrun(1, worker, str(tiny_qwen3_dir), str(tmp_path))
+    torchrun(2, worker, str(tiny_qwen3_dir), str(tmp_path))
+    alone = torch.load(tmp_path / "weights.1.0.pt")
+    first, second = torch.load(tmp_path / "weights.2.0.pt"), torch.load(tmp_path / "weights.2.1.pt")
+    assert alone.keys() == first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)  # identical on every rank
+    for name in alone:
+        torch.testing.assert_close(first[name], alone[name], atol=1e-7, rtol=1e-6)
+    # the summed gradients are the one-process gradients (rounding only: sums in another order)
+    grads = torch.load(tmp_path / "grads.1.0.pt"), torch.load(tmp_path / "grads.2.0.pt")
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        # float32 sums over other micro-batches and paddings: within 1e-4 of the largest entry
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-4 * float(grad.abs().max()), rtol=0)
+    one = json.loads((tmp_path / "metrics.1.0.json").read_text())
+    two = [json.loads((tmp_path / f"metrics.2.{r}.json").read_text()) for r in (0, 1)]
+    assert two[0] == two[1]  # every rank reports the step's totals
+    assert abs(two[0]["loss/value"] - one["loss/value"]) < 1e-5
+    assert abs(two[0]["grad_norm"] - one["grad_norm"]) < 1e-4 * max(1.0, one["grad_norm"])
+
+
+PARITY_ENV = '''
+from turnrl.env import Env
+from turnrl.types import StepResult
+
+
+class ParityEnv(Env):
+    """One turn; reward 1 when the model's text has an even length (a coin flip for a random model)."""
+
+    async def step(self, action):
+        return StepResult(None, done=True)
+
+    async def score(self, trajectory):
+        return float(len(trajectory.turns[0].text) % 2 == 0)
+
+
+def dataset(size=8):
+    return [{"id": f"p{i}", "prompt": f"Say something, number {i}."} for i in range(size)]
+'''
+
+
+def test_turnrl_train_under_torchrun_splits_the_prompts_and_keeps_the_ranks_identical(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """`torchrun --nproc-per-node 2 -m turnrl.cli train CONFIG`: each rank rolls out its half of a
+    step's prompts; rank 0 alone writes metrics, evaluations and checkpoints; the weights stay
+    identical on both ranks (``dist/param_spread`` 0)."""
+    (tmp_path / "parity_env.py").write_text(PARITY_ENV)
+    config = {
+        "model": str(tiny_qwen3_dir),
+        "env": {"name": "parity_env:ParityEnv"},
+        "data": {"generator": "parity_env:dataset"},
+        "sampling": {"temperature": 1.0, "max_tokens": 6},
+        "limits": {"max_turns": 1, "max_context_tokens": 128},
+        "optim": {"lr": 1e-3},
+        "rollout": {"group_size": 4},
+        "train": {"steps": 2, "prompts_per_step": 4, "plot": False, "save_every": 2, "save_rollouts": True},
+        "eval": {"data": {"generator": "parity_env:dataset", "kwargs": {"size": 2}}, "every": 2},
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
+    torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", cwd=tmp_path, path=tmp_path)
+    out = tmp_path / "run"
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]  # written once, by rank 0
+    assert all(r["dist/param_spread"] == 0.0 for r in records[1:])
+    assert any(r["train/samples"] > 0 for r in records[1:]) and "eval/reward/mean" in records[2]
+    rows = [{"id": f"p{i}", "prompt": f"Say something, number {i}."} for i in range(8)]  # the env's data
+    samples = to_samples(rows, "parity_env:dataset", None)
+    for step in (1, 2):
+        ids = [
+            {
+                trajectory_from_json(json.loads(line)).group_id
+                for line in (out / "rollouts" / name).read_text().splitlines()
+            }
+            for name in (f"step_{step:06d}.rank0.jsonl", f"step_{step:06d}.rank1.jsonl")
+        ]
+        assert len(ids[0]) == len(ids[1]) == 2 and not ids[0] & ids[1]
+        assert ids[0] | ids[1] == {s.id for s in step_prompts(samples, 4, step - 1, seed=0)}
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000002"]
