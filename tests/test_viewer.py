@@ -28,7 +28,7 @@ from turnrl.rollout.loop import Limits, RolloutSpec
 from turnrl.testing import EchoEnv
 from turnrl.tools import FunctionTool
 from turnrl.tools.builtin import calculator
-from turnrl.types import Sample, SamplingParams, StopReason
+from turnrl.types import Message, Sample, SamplingParams, StopReason
 from turnrl.viewer import ViewerError, load_run_tokenizer, make_server, write_viewer
 from turnrl.viewer.page import to_script_json, turn_messages
 
@@ -64,6 +64,22 @@ def varied(tokenizer: Any, text: str) -> ScriptedReply:
     return ScriptedReply(text=text, logprobs=[-((i * 0.73) % 6.5) for i in range(count)])
 
 
+class RewritingEnv(EchoEnv):
+    """Edits an observation it already returned: the bug the end-of-trajectory check exists to
+    catch (the conversation no longer renders to the tokens the model was given)."""
+
+    def __init__(self, sample: Sample) -> None:
+        super().__init__(sample, done_after=3)
+        self.sent: list[Message] = []
+
+    def format_observation(self, observation: Any) -> list[Message]:
+        messages = super().format_observation(observation)
+        if self.sent:
+            self.sent[0]["content"] = "Edited afterwards."
+        self.sent = messages
+        return messages
+
+
 async def rollout(
     tokenizer: Any, out: Path, samples: list[Sample], replies: list[Reply], env: Any, **limits: Any
 ) -> None:
@@ -93,7 +109,7 @@ async def build_run(tokenizer: Any, run: Path, model: str) -> Path:
     story = [Sample("story-0", [{"role": "user", "content": "Describe this."}], data_source="story")]
     await rollout(tokenizer, out, story, [varied(tokenizer, "A cat."), "The end."], echo)
     mismatch = [Sample("story-1", [{"role": "user", "content": "Hi"}], data_source="story")]
-    await rollout(tokenizer, out, mismatch, ["\n\nHello", "bye"], echo)
+    await rollout(tokenizer, out, mismatch, ["Hello", "Why?", "bye"], RewritingEnv)
     forever = [Sample("story-2", [{"role": "user", "content": "Go"}], data_source="story")]
     await rollout(tokenizer, out, forever, ["one", "two"], EchoEnv, max_turns=2)
     await rollout(tokenizer, out, [Sample("story-3", [{"role": "user", "content": "Hey"}])], ["x"], echo)
@@ -457,7 +473,7 @@ def test_viewer_in_chromium(run_dir: Path, qwen3_tokenizer: Any, browser: Chromi
     assert browser.count("#detail .prompt img") == 1 and "</b>" in browser.text("#detail .prompt")
     browser.click('.traj-row[data-id="story-1/0"]')
     assert browser.count("#check.bad .diff") == 1
-    assert "re-render" in browser.text("#check .diff") and "same_text" in browser.text("#check")
+    assert "Edited afterwards" in browser.text("#check .diff") and "text" in browser.text("#check")
     png = browser.screenshot(shot_path(tmp_path, "viewer-check.png"))
     assert_looks_drawn(png, 1400, 1000)
 
