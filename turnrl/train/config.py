@@ -22,6 +22,28 @@ from turnrl.train.loss import POLICY_LOSSES, LossOptions
 Tracker = Literal["none", "tensorboard", "wandb", "trackio", "mlflow"]
 
 
+class OverlongConfig(_Strict):
+    """DAPO's overlong reward shaping and filtering (see ``turnrl.train.shaping``)."""
+
+    max_tokens: int = Field(ge=1)  # a trajectory's model tokens (every turn) at which the penalty is full
+    buffer: int = Field(0, ge=0)  # the penalty ramps up over the last this many tokens (0: a step)
+    penalty: float = Field(1.0, ge=0)  # the full penalty, subtracted from the reward
+    mask_truncated: bool = False  # a trajectory cut by a length limit carries no loss
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> OverlongConfig:
+        if self.buffer > self.max_tokens:
+            raise ValueError(f"overlong.buffer ({self.buffer}) is larger than overlong.max_tokens")
+        return self
+
+
+class DynamicSamplingConfig(_Strict):
+    """DAPO's dynamic sampling: groups with all-equal rewards are dropped and more prompts rolled
+    out until the step has ``prompts_per_step`` varied groups (see ``turnrl.train.shaping``)."""
+
+    max_rounds: int = Field(3, ge=1)  # rollout rounds per step at most (the first included)
+
+
 class AlgorithmConfig(_Strict):
     """What is learned from a batch: advantages, samples, loss."""
 
@@ -43,6 +65,8 @@ class AlgorithmConfig(_Strict):
     recompute_old_logprobs: bool = True  # else the rollout's logprobs are the PPO behaviour policy
     max_staleness: int = Field(0, ge=0)  # train on tokens sampled up to this many weight versions back
     train_on_failures: bool = False  # train on trajectories an engine, env or internal error ended
+    overlong: OverlongConfig | None = None  # DAPO's overlong shaping and filtering (None: off)
+    dynamic_sampling: DynamicSamplingConfig | None = None  # DAPO's dynamic sampling (None: off)
 
     @field_validator("advantage")
     @classmethod

@@ -26,7 +26,8 @@ import random
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from turnrl.env.registry import resolve_env
 from turnrl.models import ModelSpec, load_model, load_tokenizer, load_vision_processor, resolve_model
 from turnrl.rollout.collector import OnDone, collect
 from turnrl.rollout.loop import RolloutSpec
-from turnrl.train.advantages import compute_advantages
+from turnrl.train.advantages import compute_advantages, groups
 from turnrl.train.batch import (
     Batch,
     build_samples,
@@ -77,6 +78,7 @@ from turnrl.train.loss import LossInputs, importance_stats, policy_loss
 from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plot_rewards, rollout_metrics
 from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
+from turnrl.train.shaping import refill_count, refill_prompts, shape_overlong, varied_groups
 from turnrl.types import Engine, Sample, Trajectory, as_updatable
 
 
@@ -260,24 +262,14 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     """Step ``step`` (from 1): rollout, advantages, samples, update, weight push; its metrics."""
     cfg = run.config
     t0 = time.perf_counter()
-    prompts = step_prompts(run.samples, cfg.train.prompts_per_step, step - 1, cfg.seed)
-    prompts = shard(prompts, run.ranks)  # this rank's share (all of them in one process)
-    sampling = dataclasses.replace(run.spec.sampling, seed=step_seed(cfg.seed, step))
     name = f"step_{step:06d}" + (f".rank{run.ranks.rank}" if run.ranks.distributed else "")
     out_path = run.out_dir / "rollouts" / f"{name}.jsonl" if cfg.train.save_rollouts else None
     if out_path is not None:
         out_path.unlink(missing_ok=True)  # a resumed run redoes the step
-    spec = dataclasses.replace(run.spec, sampling=sampling)
-    group, concurrency = cfg.rollout.group_size, cfg.rollout.concurrency
-    on_done = run.phase(f"step {step} rollout", len(prompts) * group)
-    trajs = await collect(
-        prompts, spec, group_size=group, concurrency=concurrency, out_path=out_path, on_done=on_done
-    )
-    trajs.sort(key=lambda t: (t.group_id, t.sample_index))
+    rolled, trajs, counts = await _step_trajectories(run, step, out_path)
     t1 = time.perf_counter()
-    metrics = rollout_metrics(_every_ranks(trajs, run.ranks))
-    trajs, refused = _on_policy(run, trajs)
-    trajs, excluded = exclude_failures(trajs, cfg.algorithm.train_on_failures)
+    metrics = rollout_metrics(_every_ranks(rolled, run.ranks)) | counts.metrics()
+    refused, excluded = counts.refused, counts.excluded
     advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
     samples = build_samples(cfg.algorithm.samples, trajs, advantages, cfg.algorithm.loss_turns)
     tokens = sum(sum(s.loss_mask) for s in samples)
@@ -289,8 +281,8 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
     if trained:
         pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
-        groups = micro_batches(samples, cfg.train.micro_batch_tokens)
-        batches = [collate(group, pad).to(run.policy.device) for group in groups]
+        parts = micro_batches(samples, cfg.train.micro_batch_tokens)
+        batches = [collate(part, pad).to(run.policy.device) for part in parts]
         metrics |= _prepare(run, batches) if batches else {}
         metrics |= update_policy(run, batches, tokens)
     if run.ranks.distributed:
@@ -300,6 +292,86 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     t3 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/train": t2 - t1}
     return metrics | {"time/sync": t3 - t2, "time/step": t3 - t0}
+
+
+@dataclass
+class StepCounts:
+    """What the rounds of a step's rollout left out or shaped, summed over its rounds."""
+
+    refused: int = 0  # trajectories with tokens of an unexpected weight version
+    excluded: Counter[str] = field(default_factory=Counter)  # failures left out, per stop reason
+    shaped: Counter[str] = field(default_factory=Counter)  # overlong/... and dynamic/... counts
+    rounds: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in sorted(self.shaped.items())}
+        return out | ({"dynamic/rounds": float(self.rounds)} if "dynamic/flat_groups" in self.shaped else {})
+
+
+async def _rollout(
+    run: Run, prompts: list[Sample], step: int, round_: int, out_path: Path | None
+) -> list[Trajectory]:
+    """One rollout round of a step: ``group_size`` trajectories per prompt, seeded by step and round."""
+    cfg = run.config
+    seed = step_seed(cfg.seed, step) + 7919 * (round_ - 1)
+    spec = dataclasses.replace(run.spec, sampling=dataclasses.replace(run.spec.sampling, seed=seed))
+    group = cfg.rollout.group_size
+    label = f"step {step} rollout" + (f" (round {round_})" if round_ > 1 else "")
+    trajs = await collect(
+        prompts,
+        spec,
+        group_size=group,
+        concurrency=cfg.rollout.concurrency,
+        out_path=out_path,
+        on_done=run.phase(label, len(prompts) * group),
+    )
+    return sorted(trajs, key=lambda t: (t.group_id, t.sample_index))
+
+
+async def _step_trajectories(
+    run: Run, step: int, out_path: Path | None
+) -> tuple[list[Trajectory], list[Trajectory], StepCounts]:
+    """Roll out this rank's share of the step's prompts; every trajectory rolled out, those to train
+    on (allowed weight versions, no failures, overlong-shaped; with dynamic sampling, only groups
+    with varied rewards, refilled round after round), and the counts of what was left out."""
+    cfg, algo = run.config, run.config.algorithm
+    chosen = step_prompts(run.samples, cfg.train.prompts_per_step, step - 1, cfg.seed)
+    prompts = shard(chosen, run.ranks)  # this rank's share (all of them in one process)
+    pool = shard([s for s in run.samples if s.id not in {p.id for p in chosen}], run.ranks)
+    target, counts = len(prompts), StepCounts()
+    rolled: list[Trajectory] = []
+    keep: list[Trajectory] = []
+    tried = 0
+    while prompts:
+        counts.rounds += 1
+        new = await _rollout(run, prompts, step, counts.rounds, out_path)
+        rolled += new
+        tried += len(prompts)
+        batch, refused = _on_policy(run, new)
+        batch, excluded = exclude_failures(batch, algo.train_on_failures)
+        counts.refused += refused
+        counts.excluded += excluded
+        if algo.overlong is not None:
+            o = algo.overlong
+            batch, shaped = shape_overlong(batch, o.max_tokens, o.buffer, o.penalty, o.mask_truncated)
+            counts.shaped.update(shaped)
+        if algo.dynamic_sampling is None:
+            return rolled, batch, counts
+        varied, flat = varied_groups(batch)
+        keep += varied
+        counts.shaped["dynamic/flat_groups"] += flat
+        have = len(groups(keep))
+        if have >= target or counts.rounds >= algo.dynamic_sampling.max_rounds:
+            break
+        prompts = refill_prompts(
+            pool, refill_count(target - have, have, tried), cfg.seed, step, counts.rounds
+        )
+        drawn = {p.id for p in prompts}
+        pool = [s for s in pool if s.id not in drawn]
+    kept_groups = list(groups(keep).values())[:target]
+    counts.shaped["dynamic/kept_groups"] += len(kept_groups)
+    counts.shaped["dynamic/short_groups"] += target - len(kept_groups)
+    return rolled, [keep[i] for members in kept_groups for i in members], counts
 
 
 def _every_ranks(trajs: list[Trajectory], ranks: Ranks) -> list[Trajectory]:
