@@ -11,8 +11,8 @@ from rich.console import Console
 
 from turnrl.env import Env, register_env
 from turnrl.train.config import TrainConfig
+from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
-from turnrl.train.trainer import train
 from turnrl.types import StepResult, Trajectory
 
 

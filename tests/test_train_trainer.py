@@ -17,8 +17,9 @@ from turnrl.config import ConfigError
 from turnrl.env import Env, register_env
 from turnrl.train.batch import step_prompts
 from turnrl.train.config import LoraSettings, TrainConfig, load_train_config
+from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
-from turnrl.train.trainer import build_run, train, train_step
+from turnrl.train.trainer import build_run, train_step
 from turnrl.types import Sample, SamplingParams, StepResult, Trajectory
 
 QUIET = Console(file=io.StringIO())

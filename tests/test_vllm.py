@@ -308,7 +308,7 @@ async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_
     servers: Any, smollm2: Any, tmp_path: Path
 ) -> None:
     from turnrl.train.config import load_train_config
-    from turnrl.train.trainer import train_async
+    from turnrl.train.loop import train_async
 
     url = servers.servers[0].url
     overrides = [

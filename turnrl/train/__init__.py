@@ -7,8 +7,8 @@ from turnrl.train.advantages import ESTIMATORS, AdvantageOptions, compute_advant
 from turnrl.train.batch import Batch, TrainSample, build_samples, collate, micro_batches
 from turnrl.train.config import TrainConfig, load_train_config
 from turnrl.train.logprobs import token_logprobs
+from turnrl.train.loop import train, train_async
 from turnrl.train.loss import POLICY_LOSSES, LossInputs, LossOptions, policy_loss, register_loss
-from turnrl.train.trainer import train, train_async
 
 __all__ = [
     "ESTIMATORS",

@@ -143,6 +143,8 @@ class TrainLoopConfig(_Strict):
         True  # false: no AdamW moments in checkpoints (a third the size; a resume restarts them)
     )
     save_rollouts: bool = False  # write every step's trajectories to rollouts/step_K.jsonl
+    overlap: bool = False  # roll out ahead while the trainer steps (needs algorithm.max_staleness >= 1)
+    max_inflight_groups: int | None = Field(None, ge=1)  # overlap: groups in flight (None: 2 steps' worth)
     tracker: Tracker = "none"  # also log to this tracker (it must be installed)
     plot: bool = True  # reward curve PNG at the end (needs matplotlib)
 
@@ -219,6 +221,13 @@ class TrainConfig(RunSections):
             raise ValueError(
                 "rollout.group_size must be at least 2: advantages compare a prompt's trajectories"
             )
+        if self.train.overlap and self.algorithm.max_staleness < 1:
+            raise ValueError(
+                "train.overlap rolls out while the trainer steps, so tokens are one version old or more: "
+                "set algorithm.max_staleness to at least 1"
+            )
+        if self.train.overlap and not isinstance(self.engine, HFEngineConfig):
+            raise ValueError("train.overlap runs on the embedded engine (engine.kind: hf) for now")
         return self
 
 

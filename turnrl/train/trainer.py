@@ -21,10 +21,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import io
 import random
 import re
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -61,10 +59,7 @@ from turnrl.train.data_parallel import (
     SINGLE,
     Ranks,
     barrier,
-    close_ranks,
     gather,
-    init_ranks,
-    launched_ranks,
     param_spread,
     shard,
     sum_across,
@@ -75,7 +70,7 @@ from turnrl.train.exclusions import exclude_failures, exclusion_metrics
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.lora import full_weights, is_lora, saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
-from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plot_rewards, rollout_metrics
+from turnrl.train.metrics import rollout_metrics
 from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
 from turnrl.train.shaping import refill_count, refill_prompts, shape_overlong, varied_groups
@@ -260,31 +255,44 @@ def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, floa
 
 async def train_step(run: Run, step: int) -> dict[str, float]:
     """Step ``step`` (from 1): rollout, advantages, samples, update, weight push; its metrics."""
-    cfg = run.config
     t0 = time.perf_counter()
+    rolled, trajs, counts = await _step_trajectories(run, step, rollouts_path(run, step))
+    return await learn(run, rolled, trajs, counts, t0)
+
+
+def rollouts_path(run: Run, step: int) -> Path | None:
+    """Where step ``step`` writes its trajectories (``train.save_rollouts``), emptied for the step."""
+    if not run.config.train.save_rollouts:
+        return None
     name = f"step_{step:06d}" + (f".rank{run.ranks.rank}" if run.ranks.distributed else "")
-    out_path = run.out_dir / "rollouts" / f"{name}.jsonl" if cfg.train.save_rollouts else None
-    if out_path is not None:
-        out_path.unlink(missing_ok=True)  # a resumed run redoes the step
-    rolled, trajs, counts = await _step_trajectories(run, step, out_path)
+    out_path = run.out_dir / "rollouts" / f"{name}.jsonl"
+    out_path.unlink(missing_ok=True)  # a resumed run redoes the step
+    return out_path
+
+
+async def learn(
+    run: Run, rolled: list[Trajectory], trajs: list[Trajectory], counts: StepCounts, t0: float
+) -> dict[str, float]:
+    """From a step's trajectories (``rolled``: every one rolled out; ``trajs``: those to train on)
+    to an optimizer update and the weight push; the step's metrics. The update runs in a worker
+    thread, so rollouts in flight (overlapped training) go on meanwhile."""
+    cfg = run.config
     t1 = time.perf_counter()
     metrics = rollout_metrics(_every_ranks(rolled, run.ranks)) | counts.metrics()
-    refused, excluded = counts.refused, counts.excluded
     advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
     samples = build_samples(cfg.algorithm.samples, trajs, advantages, cfg.algorithm.loss_turns)
     tokens = sum(sum(s.loss_mask) for s in samples)
-    metrics |= exclusion_metrics(trajs, advantages, samples, excluded)
+    metrics |= exclusion_metrics(trajs, advantages, samples, counts.excluded)
     if cfg.algorithm.kl_coef == 0:  # all-zero advantages: exactly zero loss, so skip their compute
         samples = [s for s in samples if any(s.advantages)]
-    everyone = sum_across([tokens, len(samples), refused], run.ranks)  # every rank's
+    everyone = sum_across([tokens, len(samples), counts.refused], run.ranks)  # every rank's
     tokens, trained = int(everyone[0]), int(everyone[1])
     metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
     if trained:
         pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
         parts = micro_batches(samples, cfg.train.micro_batch_tokens)
         batches = [collate(part, pad).to(run.policy.device) for part in parts]
-        metrics |= _prepare(run, batches) if batches else {}
-        metrics |= update_policy(run, batches, tokens)
+        metrics |= await asyncio.to_thread(_update, run, batches, tokens)
     if run.ranks.distributed:
         metrics["dist/param_spread"] = param_spread(run.policy, run.ranks)
     t2 = time.perf_counter()
@@ -292,6 +300,10 @@ async def train_step(run: Run, step: int) -> dict[str, float]:
     t3 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/train": t2 - t1}
     return metrics | {"time/sync": t3 - t2, "time/step": t3 - t0}
+
+
+def _update(run: Run, batches: list[Batch], tokens: int) -> dict[str, float]:
+    return (_prepare(run, batches) if batches else {}) | update_policy(run, batches, tokens)
 
 
 @dataclass
@@ -347,14 +359,7 @@ async def _step_trajectories(
         new = await _rollout(run, prompts, step, counts.rounds, out_path)
         rolled += new
         tried += len(prompts)
-        batch, refused = _on_policy(run, new)
-        batch, excluded = exclude_failures(batch, algo.train_on_failures)
-        counts.refused += refused
-        counts.excluded += excluded
-        if algo.overlong is not None:
-            o = algo.overlong
-            batch, shaped = shape_overlong(batch, o.max_tokens, o.buffer, o.penalty, o.mask_truncated)
-            counts.shaped.update(shaped)
+        batch = screen(run, new, counts)
         if algo.dynamic_sampling is None:
             return rolled, batch, counts
         varied, flat = varied_groups(batch)
@@ -372,6 +377,21 @@ async def _step_trajectories(
     counts.shaped["dynamic/kept_groups"] += len(kept_groups)
     counts.shaped["dynamic/short_groups"] += target - len(kept_groups)
     return rolled, [keep[i] for members in kept_groups for i in members], counts
+
+
+def screen(run: Run, trajs: list[Trajectory], counts: StepCounts) -> list[Trajectory]:
+    """The trajectories fit to train on: sampled by allowed weight versions, not ended by a
+    failure, overlong-shaped (``algorithm.overlong``); what was left out is added to ``counts``."""
+    algo = run.config.algorithm
+    batch, refused = _on_policy(run, trajs)
+    batch, excluded = exclude_failures(batch, algo.train_on_failures)
+    counts.refused += refused
+    counts.excluded += excluded
+    if algo.overlong is not None:
+        o = algo.overlong
+        batch, shaped = shape_overlong(batch, o.max_tokens, o.buffer, o.penalty, o.mask_truncated)
+        counts.shaped.update(shaped)
+    return batch
 
 
 def _every_ranks(trajs: list[Trajectory], ranks: Ranks) -> list[Trajectory]:
@@ -456,83 +476,3 @@ def _save(run: Run, step: int) -> None:
 
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
-
-
-async def train_async(
-    config: TrainConfig, *, overwrite: bool = False, resume: bool = False, console: Console | None = None
-) -> dict[str, Any]:
-    """Train for ``train.steps`` steps; the last step's metrics, and the first eval as ``start/...``.
-    Started by ``torchrun``, each process is one data-parallel rank (see ``data_parallel``)."""
-    config, ranks = _join_ranks(config)
-    console = console or Console(stderr=True)
-    if not ranks.main:  # rank 0 reports for all
-        console = Console(file=io.StringIO())
-    try:
-        with console.status(f"loading {config.model} and checking the run's inputs"):
-            run = build_run(config, overwrite, resume, console, ranks)
-        return await _train_loop(run)
-    finally:
-        close_ranks(ranks)
-
-
-def _join_ranks(config: TrainConfig) -> tuple[TrainConfig, Ranks]:
-    """This process's rank (one process: ``SINGLE``) and the config with its device."""
-    if launched_ranks() > 1 and not isinstance(config.engine, HFEngineConfig):
-        raise ValueError(
-            "data-parallel training (torchrun) runs the embedded engine on every rank: "
-            f"engine.kind {config.engine.kind!r} is not supported there yet"
-        )
-    device = config.engine.device if isinstance(config.engine, HFEngineConfig) else "cpu"
-    ranks, device = init_ranks(device)
-    if isinstance(config.engine, HFEngineConfig) and device != config.engine.device:
-        config = config.model_copy(update={"engine": config.engine.model_copy(update={"device": device})})
-    return config, ranks
-
-
-async def _train_loop(run: Run) -> dict[str, Any]:
-    config, console, main = run.config, run.console or Console(stderr=True), run.ranks.main
-    ranks = f" on {run.ranks.world} ranks" if run.ranks.distributed else ""
-    console.print(
-        f"{config.model}: {len(run.samples)} training prompts, {len(run.eval_samples)} held-out{ranks}; "
-        f"writing {run.out_dir}"
-    )
-    tracker = (
-        make_tracker(config.train.tracker, run.out_dir, config.model_dump(mode="json")) if main else None
-    )
-    log = MetricsLog(run.out_dir, console, tracker, run.step if run.resumed else None, write=main)
-    steps, first = config.train.steps, run.step
-    run.progress = TrainProgress(console, steps, first)
-    try:
-        with run.progress:
-            if run.resumed:  # the engine serves the base model: give it the checkpoint's weights
-                await push_weights(run)
-            else:
-                log.log(0, steps, await _start(run))
-            metrics: dict[str, float] = {}
-            for step in range(first + 1, steps + 1):
-                metrics = await train_step(run, step)
-                if _due(step, config.eval.every, steps):
-                    metrics |= await evaluate(run, step)
-                run.step = step
-                log.log(step, steps, metrics)
-                if _due(step, config.train.save_every, steps):
-                    _save(run, step)
-                run.progress.step_done(step)
-    finally:
-        run.progress = None
-        log.close()
-        await run.engine.close()
-        if run.weights_dir is not None and not getattr(config.engine, "weights_dir", None):
-            shutil.rmtree(run.weights_dir, ignore_errors=True)
-    if config.train.plot and main:
-        console.print(plot_rewards(log.records, run.out_dir / "rewards.png"))
-    first_record = log.records[0] if log.records else {}
-    console.print(held_out_summary(log.records))
-    return metrics | {f"start/{k}": v for k, v in first_record.items() if k.startswith("eval")}
-
-
-def train(
-    config: TrainConfig, *, overwrite: bool = False, resume: bool = False, console: Console | None = None
-) -> dict[str, Any]:
-    """Run ``train_async`` to completion."""
-    return asyncio.run(train_async(config, overwrite=overwrite, resume=resume, console=console))
