@@ -144,7 +144,7 @@ class TrainLoopConfig(_Strict):
     )
     save_rollouts: bool = False  # write every step's trajectories to rollouts/step_K.jsonl
     overlap: bool = False  # roll out ahead while the trainer steps (needs algorithm.max_staleness >= 1)
-    max_inflight_groups: int | None = Field(None, ge=1)  # overlap: groups in flight (None: 2 steps' worth)
+    max_inflight_groups: int | None = Field(None, ge=1)  # overlap: groups in flight (None: staleness steps)
     tracker: Tracker = "none"  # also log to this tracker (it must be installed)
     plot: bool = True  # reward curve PNG at the end (needs matplotlib)
 

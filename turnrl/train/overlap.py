@@ -2,7 +2,8 @@
 
 A producer walks the steps' prompts in order (the same prompts and seeds as the synchronous
 trainer) and rolls out one GRPO group per prompt, at most ``train.max_inflight_groups`` groups
-generating or waiting at once, so memory stays flat however fast it runs. A step takes the next
+generating or waiting at once (default: ``max_staleness`` steps' worth, so a group is taken
+before it grows too old), so memory stays flat however fast it runs. A step takes the next
 finished groups off the queue (fastest first), screens them as the synchronous step does
 (weight versions, failures, overlong shaping; with ``algorithm.dynamic_sampling``, groups with
 all-equal rewards are skipped and the next ones taken), trains on them in a worker thread while
@@ -57,7 +58,10 @@ class Feed:
 
 def start_feed(run: Run, first_step: int) -> Feed:
     """Start producing the groups of ``first_step`` and after."""
-    limit = run.config.train.max_inflight_groups or 2 * run.config.train.prompts_per_step
+    cfg = run.config
+    # one step ahead per version of staleness allowed: a group started under the version a step
+    # trains from is taken by a later step at most max_staleness versions on
+    limit = cfg.train.max_inflight_groups or cfg.train.prompts_per_step * cfg.algorithm.max_staleness
     feed = Feed(limit)
     feed.task = asyncio.create_task(_produce(run, first_step, feed))
     return feed
