@@ -6,32 +6,17 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
 from turnrl.cli import main
-from turnrl.env import Env, register_env
+from turnrl.env import register_env
 from turnrl.rollout.codec import trajectory_from_json
+from turnrl.testing import ParityEnv
 from turnrl.train.evaluation import ALL, eval_metrics, eval_rows, pass_at_k
 from turnrl.train.metrics import read_metrics
-from turnrl.types import StepResult, StopReason, Trajectory
-
-
-class ParityEnv(Env):
-    """One turn; reward 1 when the model's text has an even length."""
-
-    async def step(self, action: str) -> StepResult:
-        return StepResult(None, done=True)
-
-    async def score(self, trajectory: Trajectory) -> float:
-        return float(len(trajectory.turns[0].text) % 2 == 0)
-
-    @staticmethod
-    def dataset(size: int = 8) -> list[dict[str, Any]]:
-        return [{"id": f"p{i}", "prompt": f"Say something, number {i}."} for i in range(size)]
-
+from turnrl.types import StopReason, Trajectory
 
 register_env("test_eval_parity", ParityEnv, ParityEnv.dataset)
 

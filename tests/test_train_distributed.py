@@ -13,16 +13,15 @@ import yaml
 
 from turnrl.data import to_samples
 from turnrl.rollout.codec import trajectory_from_json
+from turnrl.testing import ParityEnv
 from turnrl.train.batch import step_prompts
 from turnrl.train.metrics import read_metrics
 
 HERE = Path(__file__).parent
 
 
-def torchrun(ranks: int, *args: str, cwd: Path | None = None, path: Path | None = None) -> None:
+def torchrun(ranks: int, *args: str, cwd: Path | None = None) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    if path is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
     command = [
         sys.executable,
         "-m",
@@ -61,54 +60,31 @@ def test_two_gloo_ranks_make_the_one_process_update(tmp_path: Path, tiny_qwen3_d
     assert abs(two[0]["grad_norm"] - one["grad_norm"]) < 1e-4 * max(1.0, one["grad_norm"])
 
 
-PARITY_ENV = '''
-from turnrl.env import Env
-from turnrl.types import StepResult
-
-
-class ParityEnv(Env):
-    """One turn; reward 1 when the model's text has an even length (a coin flip for a random model)."""
-
-    async def step(self, action):
-        return StepResult(None, done=True)
-
-    async def score(self, trajectory):
-        return float(len(trajectory.turns[0].text) % 2 == 0)
-
-
-def dataset(size=8):
-    return [{"id": f"p{i}", "prompt": f"Say something, number {i}."} for i in range(size)]
-'''
-
-
 def test_turnrl_train_under_torchrun_splits_the_prompts_and_keeps_the_ranks_identical(
     tmp_path: Path, tiny_qwen3_dir: Path
 ) -> None:
     """`torchrun --nproc-per-node 2 -m turnrl.cli train CONFIG`: each rank rolls out its half of a
     step's prompts; rank 0 alone writes metrics, evaluations and checkpoints; the weights stay
     identical on both ranks (``dist/param_spread`` 0)."""
-    (tmp_path / "parity_env.py").write_text(PARITY_ENV)
     config = {
         "model": str(tiny_qwen3_dir),
-        "env": {"name": "parity_env:ParityEnv"},
-        "data": {"generator": "parity_env:dataset"},
+        "env": {"name": "turnrl.testing:ParityEnv"},
         "sampling": {"temperature": 1.0, "max_tokens": 6},
         "limits": {"max_turns": 1, "max_context_tokens": 128},
         "optim": {"lr": 1e-3},
         "rollout": {"group_size": 4},
         "train": {"steps": 2, "prompts_per_step": 4, "plot": False, "save_every": 2, "save_rollouts": True},
-        "eval": {"data": {"generator": "parity_env:dataset", "kwargs": {"size": 2}}, "every": 2},
+        "eval": {"data": {"kwargs": {"size": 2}}, "every": 2},
         "output_dir": str(tmp_path / "run"),
     }
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
-    torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", cwd=tmp_path, path=tmp_path)
+    torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", cwd=tmp_path)
     out = tmp_path / "run"
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]  # written once, by rank 0
     assert all(r["dist/param_spread"] == 0.0 for r in records[1:])
     assert any(r["train/samples"] > 0 for r in records[1:]) and "eval/reward/mean" in records[2]
-    rows = [{"id": f"p{i}", "prompt": f"Say something, number {i}."} for i in range(8)]  # the env's data
-    samples = to_samples(rows, "parity_env:dataset", None)
+    samples = to_samples(ParityEnv.dataset(), "the env's data", None)
     for step in (1, 2):
         ids = [
             {

@@ -12,31 +12,18 @@ import pytest
 from rich.console import Console
 
 import turnrl.train.trainer as trainer
-from turnrl.env import Env, register_env
+from turnrl.env import register_env
 from turnrl.rollout.codec import trajectory_from_json
+from turnrl.testing import ParityEnv
 from turnrl.train.config import TrainConfig
 from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
-from turnrl.types import StepResult, Trajectory
+from turnrl.types import Trajectory
 
 QUIET = Console(file=io.StringIO())
 
 
-class CoinEnv(Env):
-    """One turn; reward 1 when the model's text has an even length (a coin flip for a random model)."""
-
-    async def step(self, action: str) -> StepResult:
-        return StepResult(None, done=True)
-
-    async def score(self, trajectory: Trajectory) -> float:
-        return float(len(trajectory.turns[0].text) % 2 == 0)
-
-    @staticmethod
-    def dataset(size: int = 16) -> list[dict[str, Any]]:
-        return [{"id": f"c{i}", "prompt": f"Say something, number {i}."} for i in range(size)]
-
-
-register_env("test_overlap_coin", CoinEnv, CoinEnv.dataset)
+register_env("test_overlap_coin", ParityEnv, ParityEnv.dataset)
 
 
 def config(tmp_path: Path, model: Path, name: str, **train_keys: Any) -> TrainConfig:
@@ -44,6 +31,7 @@ def config(tmp_path: Path, model: Path, name: str, **train_keys: Any) -> TrainCo
         {
             "model": str(model),
             "env": {"name": "test_overlap_coin"},
+            "data": {"kwargs": {"size": 16}},
             "sampling": {"temperature": 1.0, "max_tokens": 8},
             "limits": {"max_turns": 1, "max_context_tokens": 128},
             "rollout": {"group_size": 4},

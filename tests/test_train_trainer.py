@@ -14,29 +14,16 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from turnrl.config import ConfigError
-from turnrl.env import Env, register_env
+from turnrl.env import register_env
+from turnrl.testing import ParityEnv
 from turnrl.train.batch import step_prompts
 from turnrl.train.config import LoraSettings, TrainConfig, load_train_config
 from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
 from turnrl.train.trainer import build_run, train_step
-from turnrl.types import Sample, SamplingParams, StepResult, Trajectory
+from turnrl.types import Sample, SamplingParams
 
 QUIET = Console(file=io.StringIO())
-
-
-class ParityEnv(Env):
-    """One turn; reward 1 when the model's text has an even length (a coin flip for a random model)."""
-
-    async def step(self, action: str) -> StepResult:
-        return StepResult(None, done=True)
-
-    async def score(self, trajectory: Trajectory) -> float:
-        return float(len(trajectory.turns[0].text) % 2 == 0)
-
-    @staticmethod
-    def dataset(size: int = 8) -> list[dict[str, Any]]:
-        return [{"id": f"p{i}", "prompt": f"Say something, number {i}."} for i in range(size)]
 
 
 register_env("test_parity", ParityEnv, ParityEnv.dataset)

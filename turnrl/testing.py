@@ -10,9 +10,9 @@ from typing import Any
 
 from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
 from turnrl.env.base import Env
-from turnrl.types import Message, Sample, StepResult
+from turnrl.types import Message, Sample, StepResult, Trajectory
 
-__all__ = ["BrokenResetEnv", "EchoEnv", "FlakyEnv", "ScriptedEngine", "ScriptedReply", "until"]
+__all__ = ["BrokenResetEnv", "EchoEnv", "FlakyEnv", "ParityEnv", "ScriptedEngine", "ScriptedReply", "until"]
 
 
 class EchoEnv(Env):
@@ -53,6 +53,24 @@ class EchoEnv(Env):
             {"id": f"echo-{i}", "prompt": f"Tell story number {i}, one sentence per turn."}
             for i in range(size)
         ]
+
+
+class ParityEnv(Env):
+    """One turn; reward 1 when the model's text has an even length: a coin flip for a random model,
+    so a training step on a tiny random model has groups with varied rewards to learn from."""
+
+    async def step(self, action: str) -> StepResult:
+        """End after the model's one turn."""
+        return StepResult(None, done=True)
+
+    async def score(self, trajectory: Trajectory) -> float:
+        """1.0 when the first model turn's text has an even length."""
+        return float(len(trajectory.turns[0].text) % 2 == 0)
+
+    @staticmethod
+    def dataset(size: int = 8) -> list[dict[str, Any]]:
+        """``size`` prompts, ids ``p0``, ``p1``..."""
+        return [{"id": f"p{i}", "prompt": f"Say something, number {i}."} for i in range(size)]
 
 
 class FlakyEnv(EchoEnv):
