@@ -14,6 +14,7 @@ from reference import chat_prompt
 from turnrl.app import hf_engine
 from turnrl.engines import HFEngine
 from turnrl.engines.hf import sample_token
+from turnrl.engines.hf.sampling import sample_tokens
 from turnrl.models import load_model, load_tokenizer
 from turnrl.testing import until
 from turnrl.types import Engine, EngineError, SamplingParams
@@ -89,6 +90,68 @@ def test_sample_token_frequencies_follow_the_filtered_distribution() -> None:
     torch.testing.assert_close(counts, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.03, rtol=0)
     first_logprobs = {round(lp, 5) for t, lp in draws if t == 0}
     assert first_logprobs == {round(float(torch.log(torch.tensor(0.5))), 5)}  # full vocab, not renormalized
+
+
+def test_sample_tokens_draws_each_row_as_if_alone() -> None:
+    """A row's token and logprob depend on its logits and generator only: batched sampling (the
+    engine's decode step) equals sampling each row by itself, whatever the other rows ask for."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)) * 3
+    samplings = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.5),
+        SamplingParams(temperature=0.5),
+    ]
+    for trial in range(20):
+        together = sample_tokens(
+            logits, samplings, [torch.Generator().manual_seed(100 * trial + b) for b in range(5)]
+        )
+        alone = [
+            sample_token(logits[b], samplings[b], torch.Generator().manual_seed(100 * trial + b))
+            for b in range(5)
+        ]
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in together]), torch.tensor([lp for _, lp in alone]), atol=1e-6, rtol=0
+        )
+    greedy = together[1][0]
+    assert greedy == int(logits[1].argmax())
+
+
+async def test_packed_weights_serve_the_unpacked_models_tokens(tiny_qwen3_dir: Path) -> None:
+    """oneDNN-packed linear layers (the CPU default) give the plain model's greedy tokens and exact
+    logprobs; the model itself stays plain for every other caller (the reference forward pass here).
+    (Sampled tokens may differ: a random model's distribution is nearly flat over 151k tokens, so
+    float32 rounding moves the inverse-CDF boundaries by about one token's width.)"""
+    packed_model, plain_model = load_model(str(tiny_qwen3_dir)), load_model(str(tiny_qwen3_dir))
+    prompts = [list(range(300 + 7 * i, 340 + 9 * i)) for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20)
+    sampled = [SamplingParams(temperature=1.0, max_tokens=20, seed=i) for i in range(6)]
+    async with (
+        HFEngine(packed_model, packed_weights=True) as packed,
+        HFEngine(plain_model, packed_weights=False) as plain,
+    ):
+        fast = await asyncio.gather(*(packed.generate(p, greedy) for p in prompts))
+        slow = await asyncio.gather(*(plain.generate(p, greedy) for p in prompts))
+        drawn = await asyncio.gather(*(packed.generate(p, s) for p, s in zip(prompts, sampled, strict=True)))
+    assert all(
+        type(m.forward).__name__ == "_Packed" for m in packed_model.modules() if type(m) is torch.nn.Linear
+    )
+    for a, b in zip(fast, slow, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    for prompt, gen in zip(prompts, drawn, strict=True):
+        ref = gathered(forward_logprobs(packed_model, prompt, gen.token_ids, 1.0), gen.token_ids)
+        expected = gathered(forward_logprobs(plain_model, prompt, gen.token_ids, 1.0), gen.token_ids)
+        assert torch.equal(ref, expected)  # outside the engine's worker: the plain model's arithmetic
+        torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=1e-4, rtol=0)
+
+
+async def test_packed_weights_refuses_a_model_it_cannot_pack(tiny_qwen3_dir: Path) -> None:
+    model = load_model(str(tiny_qwen3_dir)).to(torch.float16)
+    with pytest.raises(EngineError, match="packed_weights needs a float32 or bfloat16 model on CPU"):
+        HFEngine(model, packed_weights=True)
 
 
 @pytest.mark.parametrize("max_batch_size", [32, 3])

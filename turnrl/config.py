@@ -105,6 +105,8 @@ class HFEngineConfig(Strict):
     """Tokens of KV kept between a trajectory's turns (0: re-prefill every turn)."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads for the engine (None: torch's default)."""
+    packed_weights: bool | None = None
+    """Serve linear layers from oneDNN-packed weights (None: on CPU in float32/bfloat16)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights' dtype."""
     device: str = "cpu"

@@ -161,6 +161,7 @@ def hf_engine_options(e: HFEngineConfig) -> dict[str, Any]:
         "max_prefill_tokens": e.max_prefill_tokens,
         "prefix_cache_tokens": e.prefix_cache_tokens,
         "num_threads": e.num_threads,
+        "packed_weights": e.packed_weights,
     }
 
 

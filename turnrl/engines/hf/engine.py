@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from turnrl.engines.hf.packed import PackedLinears, packing_available
 from turnrl.engines.hf.prefix_cache import PrefixCache
 from turnrl.engines.hf.requests import Request, WeightUpdate
 from turnrl.engines.hf.scheduler import Scheduler
@@ -61,6 +62,7 @@ class HFEngine:
         num_threads: int | None = None,
         vision: VisionProcessor | None = None,
         prefix_cache_tokens: int = 32768,
+        packed_weights: bool | None = None,
     ) -> None:
         """Serve ``model``; the tokenizer is optional, kept for callers, and its eos id stops generations.
 
@@ -73,9 +75,19 @@ class HFEngine:
         ``prefix_cache_tokens`` bounds the KV kept between the turns of a session: a request whose
         prompt extends its session's last prompt and sample prefills only the new tokens. The
         least recently used sessions go first; a weight update drops them all (0: keep none).
+        ``packed_weights`` serves the linear layers from oneDNN-packed copies of their weights
+        (``packed``: 2-3x faster matrix products on CPU, the same float32 arithmetic); None: when
+        the model is on CPU in float32 or bfloat16 and torch has oneDNN. Only the engine's own
+        forward passes read the packs; they are refreshed by ``update_weights``, so weights changed
+        in place behind the engine's back are not seen.
         """
         _check_full_attention(model)
         self._model = model.eval()
+        if packed_weights is None:
+            packed_weights = packing_available(model)
+        elif packed_weights and not packing_available(model):
+            raise EngineError("packed_weights needs a float32 or bfloat16 model on CPU and torch with oneDNN")
+        packed = PackedLinears(model) if packed_weights else None
         self._tokenizer = tokenizer
         self._eos_ids = (
             frozenset(_ids(eos_token_ids))
@@ -98,6 +110,7 @@ class HFEngine:
             num_threads=num_threads,
             vision=vision,
             prefix_cache=self._prefix_cache,
+            packed=packed,
         )
 
     @property

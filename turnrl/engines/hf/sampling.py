@@ -4,6 +4,8 @@ full vocabulary, before any filtering (temperature 1 for greedy), as ``Generatio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from turnrl.types import SamplingParams
@@ -36,19 +38,47 @@ def _candidates(logprobs_V: torch.Tensor, top_k: int, top_p: float) -> tuple[tor
     return values[:n], ids[:n]
 
 
+def _draw_rows(logprobs_B_V: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """``_draw`` for every row at once, one uniform number from each row's generator."""
+    x_B_V = logprobs_B_V.double()
+    cdf_B_V = torch.cumsum(torch.exp(x_B_V - x_B_V.max(-1, keepdim=True).values), -1)
+    u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    picked_B = torch.searchsorted(cdf_B_V, (u_B * cdf_B_V[:, -1])[:, None], right=True)[:, 0]
+    return picked_B.clamp_(max=cdf_B_V.shape[-1] - 1).tolist()
+
+
+def sample_tokens(
+    logits_B_V: torch.Tensor, samplings: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> list[tuple[int, float]]:
+    """Sample one token per row from raw logits, each row with its own parameters and generator;
+    each token with its full-vocabulary logprob at the row's temperature (1 for greedy).
+
+    A row's token depends only on its logits and generator, never on the other rows."""
+    logits_B_V = logits_B_V.float()
+    temps = [s.temperature if s.temperature > 0 else 1.0 for s in samplings]
+    temps_B = torch.tensor(temps, dtype=logits_B_V.dtype, device=logits_B_V.device)
+    logprobs_B_V = torch.log_softmax(logits_B_V / temps_B[:, None], -1)
+    tokens = [0] * len(samplings)
+    plain = []
+    for b, s in enumerate(samplings):
+        if s.temperature <= 0:
+            tokens[b] = int(torch.argmax(logits_B_V[b]))
+        elif s.top_k <= 0 and s.top_p >= 1.0:
+            plain.append(b)
+        else:
+            values, ids = _candidates(logprobs_B_V[b], s.top_k, s.top_p)
+            tokens[b] = int(ids[_draw(values, generators[b])])
+    if plain:
+        drawn = _draw_rows(logprobs_B_V[plain], [generators[b] for b in plain])
+        for b, token in zip(plain, drawn, strict=True):
+            tokens[b] = token
+    rows = torch.arange(len(tokens), device=logits_B_V.device)
+    picked = logprobs_B_V[rows, torch.tensor(tokens, device=logits_B_V.device)].tolist()
+    return list(zip(tokens, picked, strict=True))
+
+
 def sample_token(
     logits_V: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
 ) -> tuple[int, float]:
     """Sample one token from raw logits; return it with its full-vocabulary logprob at the temperature."""
-    logits_V = logits_V.float()
-    if sampling.temperature <= 0:
-        logprobs_V = torch.log_softmax(logits_V, -1)
-        token = int(torch.argmax(logits_V))
-        return token, float(logprobs_V[token])
-    logprobs_V = torch.log_softmax(logits_V / sampling.temperature, -1)
-    if sampling.top_k <= 0 and sampling.top_p >= 1.0:
-        token = _draw(logprobs_V, generator)
-    else:
-        values, ids = _candidates(logprobs_V, sampling.top_k, sampling.top_p)
-        token = int(ids[_draw(values, generator)])
-    return token, float(logprobs_V[token])
+    return sample_tokens(logits_V[None], [sampling], [generator])[0]

@@ -18,10 +18,11 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from turnrl.engines.hf.kv import Batch, first_row
+from turnrl.engines.hf.packed import PackedLinears, serve_packed
 from turnrl.engines.hf.positions import image_kwargs
 from turnrl.engines.hf.prefix_cache import PrefixCache
 from turnrl.engines.hf.requests import Request, WeightUpdate, resolve
-from turnrl.engines.hf.sampling import sample_token
+from turnrl.engines.hf.sampling import sample_tokens
 from turnrl.types import EngineError, FinishReason
 from turnrl.vision.processor import VisionProcessor
 
@@ -41,8 +42,10 @@ class Scheduler:
         num_threads: int | None,
         vision: VisionProcessor | None,
         prefix_cache: PrefixCache,
+        packed: PackedLinears | None = None,
     ) -> None:
         self.model = model
+        self.packed = packed  # the model's linear layers on packed weights, repacked after updates
         self.version = 0  # weight updates applied
         self.tokens_sampled = 0  # tokens sampled since start, over every request
         self.prefix_cache = prefix_cache
@@ -101,6 +104,8 @@ class Scheduler:
         """The worker loop: weight updates, admissions, one decode step, repeat."""
         if self._num_threads:
             torch.set_num_threads(self._num_threads)
+        if self.packed is not None:
+            serve_packed()
         batch = Batch()
         while True:
             if self._aborting:
@@ -146,6 +151,8 @@ class Scheduler:
         try:
             with torch.no_grad():
                 self.model.load_state_dict(dict(update.state_dict), strict=update.strict)
+                if self.packed is not None:
+                    self.packed.repack()
             self.prefix_cache.clear()  # its KV was computed with the old weights
             self.version = self.version + 1 if update.version is None else update.version
             resolve(update.loop, update.future, self.version)
@@ -176,7 +183,7 @@ class Scheduler:
         extra[self._cache_arg] = cache
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **extra)
         self.prefix_cache.stats["prefilled_tokens"] += ids.shape[1]
-        reason = self._sample(request, out.logits[0, -1])
+        (reason,) = self._sample([request], out.logits[:, -1])
         if reason is not None:
             request.finish(reason)
             if self.prefix_cache.keeps(request):
@@ -192,9 +199,9 @@ class Scheduler:
         cache = {self._cache_arg: batch.cache}
         out = self.model(**inputs, **cache, use_cache=True, logits_to_keep=1)
         batch.lengths = [n + 1 for n in batch.lengths]
+        reasons = self._sample(batch.requests, out.logits[:, -1])
         keep = []
-        for row, request in enumerate(batch.requests):
-            reason = self._sample(request, out.logits[row, -1])
+        for row, (request, reason) in enumerate(zip(batch.requests, reasons, strict=True)):
             if reason is not None:
                 request.finish(reason)
                 if self.prefix_cache.keeps(request):
@@ -205,11 +212,11 @@ class Scheduler:
         if not all(keep):
             batch.rebuild(keep, [])
 
-    def _sample(self, request: Request, logits_V: torch.Tensor) -> FinishReason | None:
-        """Sample the request's next token; the finish reason if it ends the generation."""
-        token, logprob = sample_token(logits_V, request.sampling, request.generator)
-        self.tokens_sampled += 1
-        return request.add_token(token, logprob, self.version)
+    def _sample(self, requests: list[Request], logits_B_V: torch.Tensor) -> list[FinishReason | None]:
+        """Sample every request's next token; per request, the finish reason if it ends the generation."""
+        drawn = sample_tokens(logits_B_V, [r.sampling for r in requests], [r.generator for r in requests])
+        self.tokens_sampled += len(requests)
+        return [r.add_token(t, lp, self.version) for r, (t, lp) in zip(requests, drawn, strict=True)]
 
     def _abort(self, batch: Batch) -> None:
         """End every running and queued request with what it has so far."""

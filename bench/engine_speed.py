@@ -1,0 +1,167 @@
+"""Generation speed of the embedded engine against transformers ``generate`` and vLLM's CPU build.
+
+The workload of the engine issue: N concurrent requests (chat prompts of SmolLM2-135M-Instruct,
+float32), each sampling exactly T tokens at temperature 1 (no stop at eos, so every side does
+the same work). Sides, one after the other in one run, each repeated:
+
+- ``generate``: transformers ``model.generate`` on the whole batch at once (left-padded,
+  ``do_sample``, ``min_new_tokens = max_new_tokens = T``): the batch-synchronous baseline.
+- ``embedded, plain``: the embedded engine with ``packed_weights=False`` (``F.linear``).
+- ``embedded``: the embedded engine as it ships (oneDNN-packed linear layers on CPU).
+- ``vLLM`` (``--vllm``): one vLLM server that turnrl starts from ``scripts/install_vllm.sh``'s
+  environment, sent the same token-id prompts with ``ignore_eos``, all at once.
+
+    .venv/bin/python bench/engine_speed.py [--requests 32] [--tokens 128] [--repeats 3] [--vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import torch
+
+from turnrl.app import hf_engine
+from turnrl.models import load_model, load_tokenizer
+from turnrl.types import SamplingParams
+
+
+def prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    """Chat prompts of slightly different lengths."""
+    out = []
+    for i in range(count):
+        messages = [
+            {"role": "user", "content": f"Tell story {i}, about " + "a long road and " * (i % 5) + "a cat."}
+        ]
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        out.append(list(ids))
+    return out
+
+
+async def generate_side(model: Any, tokenizer: Any, batch: list[list[int]], tokens: int) -> int:
+    """transformers ``generate`` over the left-padded batch; the tokens generated."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=pad,
+        )
+    return int(out[:, width:].numel())
+
+
+async def engine_side(engine: Any, batch: list[list[int]], tokens: int) -> int:
+    """Every prompt sent at once to the embedded engine; the tokens generated."""
+    gens = await asyncio.gather(
+        *(
+            engine.generate(p, SamplingParams(temperature=1.0, max_tokens=tokens, seed=i))
+            for i, p in enumerate(batch)
+        )
+    )
+    return sum(len(g.token_ids) for g in gens)
+
+
+async def vllm_side(url: str, batch: list[list[int]], tokens: int) -> int:
+    """Every prompt posted at once to vLLM as token ids; the tokens generated."""
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits, trust_env=False) as http:
+
+        async def one(i: int, prompt: list[int]) -> int:
+            body = {
+                "prompt": prompt,
+                "max_tokens": tokens,
+                "temperature": 1.0,
+                "seed": i,
+                "ignore_eos": True,
+                "logprobs": 0,
+                "return_token_ids": True,
+            }
+            response = await http.post("/v1/completions", json=body)
+            response.raise_for_status()
+            return len(response.json()["choices"][0]["token_ids"])
+
+        return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(batch))))
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    tokenizer = load_tokenizer(args.model)
+    batch = prompts(tokenizer, args.requests)
+    model = load_model(args.model)
+    no_stop: dict[str, Any] = {"eos_token_ids": [], "max_batch_size": args.requests}
+    packed = hf_engine(args.model, **no_stop)
+    plain = hf_engine(args.model, packed_weights=False, **no_stop)
+    sides: dict[str, Callable[[], Awaitable[int]]] = {
+        "generate": lambda: generate_side(model, tokenizer, batch, args.tokens),
+        "embedded, plain": lambda: engine_side(plain, batch, args.tokens),
+        "embedded": lambda: engine_side(packed, batch, args.tokens),
+    }
+    vllm = None
+    if args.vllm:
+        from turnrl.app.engines import vllm_engine
+        from turnrl.config import VLLMEngineConfig
+
+        print("starting one vLLM server ...")
+        vllm = vllm_engine(
+            args.model, VLLMEngineConfig(kind="vllm", max_model_len=2048, kv_cache_gib=2), tokenizer
+        )
+        url = vllm.servers[0].url  # type: ignore[attr-defined]
+        sides["vLLM"] = lambda: vllm_side(url, batch, args.tokens)
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        if vllm is not None:  # warm-ups: a small call each
+            await vllm_side(url, batch[:2], 4)
+        await engine_side(packed, batch[:2], 4)
+        await engine_side(plain, batch[:2], 4)
+        for repeat in range(args.repeats):
+            for name, side in sides.items():
+                t0 = time.perf_counter()
+                made = await side()
+                seconds = time.perf_counter() - t0
+                assert made == args.requests * args.tokens, f"{name} made {made} tokens"
+                rates[name].append(made / seconds)
+                rate = made / seconds
+                print(f"  [{repeat + 1}] {name:<16} {made} tok, {seconds:6.2f}s, {rate:6.1f} tok/s")
+    finally:
+        await packed.close()
+        await plain.close()
+        if vllm is not None:
+            await vllm.close()
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    print(f"{args.model}, {args.requests} requests x {args.tokens} tokens, median of {args.repeats} (tok/s):")
+    for name, rate in med.items():
+        print(f"  {name:<16} {rate:6.1f}")
+    print(f"embedded / generate: {med['embedded'] / med['generate']:.2f}")
+    print(f"embedded / embedded plain: {med['embedded'] / med['embedded, plain']:.2f}")
+    if "vLLM" in med:
+        print(f"embedded / vLLM: {med['embedded'] / med['vLLM']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm", action="store_true", help="add a vLLM server (scripts/install_vllm.sh)")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Linear layers on oneDNN's prepacked weights, for serving on CPU.
+
+On CPU, ``F.linear`` calls a general matrix multiply that re-reads the weight in its stored
+layout at every call; a decode step multiplies a few dozen rows by every weight of the model,
+so that layout costs most of the step (and some row counts fall on slow paths: 7 rows through
+a 49k-vocabulary head took longer than 32). oneDNN reorders each weight once into the blocked
+layout its kernels read best (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's
+freezing pass does) and multiplies from there: the same float32 arithmetic, in another order.
+
+``PackedLinears`` swaps the forward of every ``nn.Linear`` of a served model for one that reads
+the packed weight in threads that called ``serve_packed`` (the engine's worker) and is the plain
+``F.linear`` everywhere else, so the model behaves as before for every other caller. The original
+weights stay for ``state_dict`` and ``load_state_dict``; after the weights change, ``repack`` must
+run before the next served forward (the engine does it after every update).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_serving = threading.local()
+
+
+def serve_packed() -> None:
+    """Make this thread's forward passes read the packed weights."""
+    _serving.on = True
+
+
+def packing_available(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is on CPU in float32 or bfloat16 and torch has oneDNN's linear kernels."""
+    params = list(model.parameters())
+    if not params or params[0].device.type != "cpu" or params[0].dtype not in _DTYPES:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+class _Packed:
+    """One linear layer's forward on its packed weight."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        self.linear = linear
+        self.weight = self._pack()
+
+    def _pack(self) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(self.linear.weight.detach())
+
+    def repack(self) -> None:
+        self.weight = self._pack()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.linear.bias
+        if not getattr(_serving, "on", False) or x.dtype != self.linear.weight.dtype:
+            return torch.nn.functional.linear(x, self.linear.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+
+
+class PackedLinears:
+    """Every ``nn.Linear`` of a model served from oneDNN-packed weights (see the module doc).
+
+    A model that is already packed (a second engine over the same model) shares its packs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._layers: list[_Packed] = []
+        for module in model.modules():
+            if type(module) is torch.nn.Linear and module.weight.dtype in _DTYPES:
+                packed = module.__dict__.get("forward")
+                if not isinstance(packed, _Packed):
+                    packed = _Packed(module)
+                    module.forward = packed  # type: ignore[method-assign,assignment]
+                self._layers.append(packed)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def repack(self) -> None:
+        """Pack the current weights again (after ``load_state_dict``)."""
+        for layer in self._layers:
+            layer.repack()
