@@ -1,0 +1,218 @@
+"""A GRPO optimizer step, turnrl's against TRL's ``GRPOTrainer``, on the same model and batch.
+
+The batch: ``--rows`` sequences of a ``--prompt``-token prompt and a completion of varied length
+(from a quarter of ``--completion`` to all of it), random token ids, one advantage per row
+(a group-normalized reward), every completion token trained on. Each side does the same work:
+a forward and backward pass over every row in micro-batches, then one AdamW step.
+
+- ``turnrl``: the trainer's path: rows sorted by length into micro-batches of at most
+  ``--micro-tokens`` padded tokens (``micro_batches``), the body's hidden states projected
+  through the vocabulary only at trained positions, in chunks (``token_logprobs``), the
+  ``ppo`` (clipped) token-mean loss.
+- ``trl``: ``GRPOTrainer.compute_loss`` (TRL's own logprobs, its default loss, entropy as it
+  computes it) on micro-batches of ``--trl-rows`` rows in the given order, left-padded prompts
+  and right-padded completions as TRL lays them out.
+
+Each side runs in its own process (so its peak resident memory is its own): one warm-up step,
+then ``--steps`` timed steps; trained tokens per second of the median step and the process's peak
+RSS above what it held after loading the model. Sides alternate, ``--repeats`` times.
+
+    .venv/bin/python bench/trainer_speed.py [--model smollm2-135m] [--rows 16] [--prompt 128]
+        [--completion 384] [--steps 3] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # bench/vllm.py is not vLLM (TRL looks)
+
+
+def rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mib() -> float:
+    """Resident memory of this process now, MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def batch(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[list[int]], list[float]]:
+    """(prompts, completions, advantages), the same for every side (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    prompts, completions = [], []
+    for _ in range(args.rows):
+        length = int(torch.randint(args.completion // 4, args.completion + 1, (), generator=g))
+        prompts.append(torch.randint(100, vocab, (args.prompt,), generator=g).tolist())
+        completions.append(torch.randint(100, vocab, (length,), generator=g).tolist())
+    rewards = torch.rand(args.rows, generator=g)
+    advantages = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist()
+    return prompts, completions, advantages
+
+
+def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argparse.Namespace) -> int:
+    """One optimizer step on turnrl's path; the trained tokens."""
+    from turnrl.train.batch import TrainSample, collate, micro_batches
+    from turnrl.train.logprobs import token_logprobs
+    from turnrl.train.loss import LossInputs, LossOptions, policy_loss
+
+    prompts, completions, advantages = data
+    samples = [
+        TrainSample(
+            p + c,
+            [0] * len(p) + [1] * len(c),
+            [0.0] * len(p) + [-1.0] * len(c),
+            [0.0] * len(p) + [a] * len(c),
+        )
+        for p, c, a in zip(prompts, completions, advantages, strict=True)
+    ]
+    tokens = sum(len(c) for c in completions)
+    optimizer.zero_grad(set_to_none=True)
+    for part in micro_batches(samples, args.micro_tokens):
+        b = collate(part, 0)
+        logprobs = token_logprobs(model, b.input_ids_B_T, b.attention_mask_B_T, b.loss_mask_B_T > 0)
+        old = logprobs.detach()
+        inputs = LossInputs(logprobs, old, old, b.advantages_B_T, b.loss_mask_B_T)
+        policy_loss("ppo", inputs, LossOptions(), tokens).loss.backward()
+    optimizer.step()
+    return tokens
+
+
+def trl_trainer(model: Any, tokenizer: Any, args: argparse.Namespace, out: str) -> Any:
+    """TRL's GRPOTrainer around ``model`` (generation never runs here)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=args.trl_rows,
+        num_generations=args.trl_rows,
+        max_completion_length=args.completion,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1000,
+        save_strategy="no",
+    )
+    data = Dataset.from_list([{"prompt": "x"}] * args.rows)
+    return GRPOTrainer(
+        model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
+        train_dataset=data, processing_class=tokenizer,
+    )  # fmt: skip
+
+
+def trl_step(trainer: Any, optimizer: Any, data: tuple[Any, ...], args: argparse.Namespace) -> int:
+    """One optimizer step through ``GRPOTrainer.compute_loss``; the trained tokens."""
+    prompts, completions, advantages = data
+    tokens = sum(len(c) for c in completions)
+    optimizer.zero_grad(set_to_none=True)
+    for start in range(0, len(prompts), args.trl_rows):
+        rows = range(start, min(start + args.trl_rows, len(prompts)))
+        width = max(len(completions[i]) for i in rows)
+        inputs = {
+            "prompt_ids": torch.tensor([prompts[i] for i in rows]),
+            "prompt_mask": torch.ones(len(rows), args.prompt, dtype=torch.long),
+            "completion_ids": torch.tensor(
+                [completions[i] + [0] * (width - len(completions[i])) for i in rows]
+            ),
+            "completion_mask": torch.tensor(
+                [[1] * len(completions[i]) + [0] * (width - len(completions[i])) for i in rows]
+            ),
+            "advantages": torch.tensor([advantages[i] for i in rows]),
+            "num_items_in_batch": torch.tensor(float(tokens)),
+        }
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()  # TRL's default loss (dapo) is a sum over the step's num_items_in_batch tokens
+    optimizer.step()
+    return tokens
+
+
+def run_side(args: argparse.Namespace) -> None:
+    """One side in this process; prints a JSON line."""
+    from turnrl.models import load_model, load_tokenizer
+
+    torch.manual_seed(0)
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    model.train()
+    data = batch(args, int(model.get_output_embeddings().weight.shape[0]))
+    with tempfile.TemporaryDirectory() as out:
+        if args.side == "trl":
+            trainer = trl_trainer(model, tokenizer, args, out)
+            model = trainer.model
+            trainer.current_gradient_accumulation_steps = 1  # set by its training loop
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            step = lambda: trl_step(trainer, optimizer, data, args)  # noqa: E731
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            step = lambda: turnrl_step(model, optimizer, data, args)  # noqa: E731
+        loaded = current_rss_mib()
+        step()  # warm-up (AdamW state allocated)
+        seconds = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            tokens = step()
+            seconds.append(time.perf_counter() - t0)
+    peak = rss_mib()
+    print(
+        json.dumps({"tokens": tokens, "seconds": statistics.median(seconds), "peak": peak, "loaded": loaded})
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--completion", type=int, default=384)
+    parser.add_argument("--micro-tokens", type=int, default=4096)
+    parser.add_argument("--trl-rows", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--side", choices=["turnrl", "trl"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        run_side(args)
+        return
+    results: dict[str, list[dict[str, float]]] = {"turnrl": [], "trl": []}
+    for repeat in range(args.repeats):
+        for side in results:
+            command = [sys.executable, __file__, *sys.argv[1:], "--side", side]
+            line = (
+                subprocess.run(command, check=True, capture_output=True, text=True)
+                .stdout.strip()
+                .splitlines()[-1]
+            )
+            r = json.loads(line)
+            results[side].append(r)
+            rate = r["tokens"] / r["seconds"]
+            print(
+                f"  [{repeat + 1}] {side:<7} {rate:7.1f} tok/s  step {r['seconds']:.2f}s  "
+                f"peak {r['peak']:.0f} MiB ({r['peak'] - r['loaded']:.0f} above the loaded model)"
+            )
+    rates = {s: statistics.median(r["tokens"] / r["seconds"] for r in rs) for s, rs in results.items()}
+    extra = {s: statistics.median(r["peak"] - r["loaded"] for r in rs) for s, rs in results.items()}
+    print(f"{args.model}: {args.rows} rows x ({args.prompt} prompt + <= {args.completion} completion) tokens")
+    for side in results:
+        print(f"  {side:<7} {rates[side]:7.1f} tok/s, {extra[side]:.0f} MiB above the loaded model")
+    print(f"turnrl / TRL tokens/s: {rates['turnrl'] / rates['trl']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
