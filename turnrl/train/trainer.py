@@ -151,6 +151,7 @@ def build_run(
         rollout = dataclasses.replace(rollout, inference_contexts=True)
     if ranks.main:
         start_output(config, resumed)  # every input is valid: now the folder may change
+    barrier(ranks)  # rank 0 has emptied the folder before any rank writes its rollouts there
     out = Path(config.output_dir)
     run = Run(
         config, policy, ref, tokenizer, engine, optimizer, scheduler, rollout, samples, eval_samples, out
