@@ -1,11 +1,13 @@
 """Overlapped against synchronous training, side by side on one workload and seed.
 
-The README demo's task without its warm start (SmolLM2-135M-Instruct, key lookup, 6 prompts x 4
-samples a step, the top 6 layers trained): each round trains ``--steps`` steps synchronously and
-then overlapped (``train.overlap: true``, ``algorithm.max_staleness: 1``), from the same base
-weights, in fresh output folders. Reported per mode: the median wall time per step (step 1
-excluded: it includes the first rollout, which the overlapped run cannot hide) and trajectories
-trained on per second, with the ratio; plus the overlapped run's staleness share and idle times.
+The README demo (SmolLM2-135M-Instruct, key lookup, its supervised warm start, then 6 prompts x
+4 samples a step, the top 6 layers trained; without the warm start every reward is 0, every
+advantage 0 and no step trains, so there is nothing to overlap). Each round trains ``--steps``
+steps synchronously and then overlapped (``train.overlap: true``,
+``algorithm.max_staleness: 1``), from the same base weights, in fresh output folders. Reported
+per mode: the median wall time per step (step 1 excluded: it includes the first rollout, which
+the overlapped run cannot hide) and trajectories trained on per second, with the ratio; plus
+the overlapped run's staleness share and idle times.
 
     .venv/bin/python bench/overlap.py [--steps 5] [--rounds 2]
 """
@@ -40,7 +42,7 @@ def run(steps: int, overlap: bool, out: Path) -> dict[str, Any]:
     ]
     if overlap:
         sets += ["train.overlap=true", "algorithm.max_staleness=1"]
-    config = load_train_config(EXAMPLE, sets).model_copy(update={"warm_start": None})
+    config = load_train_config(EXAMPLE, sets)  # with its warm start: rewards vary, so steps train
     t0 = time.perf_counter()
     train(config, console=Console(file=io.StringIO()))
     wall = time.perf_counter() - t0
