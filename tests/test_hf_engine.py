@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import pickle
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,23 @@ async def test_packed_weights_serve_the_unpacked_models_tokens(tiny_qwen3_dir: P
         expected = gathered(forward_logprobs(plain_model, prompt, gen.token_ids, 1.0), gen.token_ids)
         assert torch.equal(ref, expected)  # outside the engine's worker: the plain model's arithmetic
         torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=1e-4, rtol=0)
+
+
+async def test_a_served_model_still_copies_and_pickles(tiny_qwen3_dir: Path) -> None:
+    """The packs are the engine's cache, not the model's state: a model an engine served (and one
+    it is serving) deep-copies and pickles, and the copies compute what it computes."""
+    model = load_model(str(tiny_qwen3_dir))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    async with HFEngine(model, packed_weights=True) as engine:
+        await engine.generate([1, 2, 3], GREEDY)
+        serving_copy = copy.deepcopy(model)
+    for other in (serving_copy, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with torch.no_grad():
+            assert torch.equal(other(ids).logits, model(ids).logits)
+    async with HFEngine(serving_copy) as copied, HFEngine(model) as original:  # the copy serves too
+        a, b = await copied.generate([1, 2, 3], GREEDY), await original.generate([1, 2, 3], GREEDY)
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 async def test_packed_weights_refuses_a_model_it_cannot_pack(tiny_qwen3_dir: Path) -> None:

@@ -213,8 +213,11 @@ class HFEngine:
         await asyncio.to_thread(self._scheduler.abort)
 
     async def close(self) -> None:
-        """Stop the worker; running and queued requests end with finish_reason "abort"."""
+        """Stop the worker; running and queued requests end with finish_reason "abort"; free the
+        packed weights."""
         await asyncio.to_thread(self._scheduler.close)
+        if self._scheduler.packed is not None:
+            self._scheduler.packed.repack()
 
     def _make_request(
         self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Any]

@@ -16,7 +16,9 @@ run before the next served forward (the engine does it after every update).
 
 from __future__ import annotations
 
+import copy
 import threading
+from typing import Any
 
 import torch
 
@@ -41,23 +43,31 @@ def packing_available(model: torch.nn.Module) -> bool:
 
 
 class _Packed:
-    """One linear layer's forward on its packed weight."""
+    """One linear layer's forward on its packed weight, packed at the first served call after
+    construction or ``repack`` (so copies and pickles of the model never hold a packed tensor)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         self.linear = linear
-        self.weight = self._pack()
-
-    def _pack(self) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(self.linear.weight.detach())
+        self.weight: torch.Tensor | None = None
 
     def repack(self) -> None:
-        self.weight = self._pack()
+        """Drop the packed weight; the next served call packs the current one."""
+        self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.linear.bias
         if not getattr(_serving, "on", False) or x.dtype != self.linear.weight.dtype:
             return torch.nn.functional.linear(x, self.linear.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        weight = self.weight  # read once: a closing engine sharing the model may drop it meanwhile
+        if weight is None:
+            weight = self.weight = torch.ops.mkldnn._reorder_linear_weight(self.linear.weight.detach())
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Packed:
+        return _Packed(copy.deepcopy(self.linear, memo))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"linear": self.linear, "weight": None}
 
 
 class PackedLinears:
@@ -79,6 +89,7 @@ class PackedLinears:
         return len(self._layers)
 
     def repack(self) -> None:
-        """Pack the current weights again (after ``load_state_dict``)."""
+        """Pack the current weights again at their next served call (after ``load_state_dict``),
+        and free the packed copies meanwhile (the engine also calls it when it closes)."""
         for layer in self._layers:
             layer.repack()
