@@ -85,9 +85,6 @@ class PackedLinears:
                     module.forward = packed  # type: ignore[method-assign,assignment]
                 self._layers.append(packed)
 
-    def __len__(self) -> int:
-        return len(self._layers)
-
     def repack(self) -> None:
         """Pack the current weights again at their next served call (after ``load_state_dict``),
         and free the packed copies meanwhile (the engine also calls it when it closes)."""

@@ -13,13 +13,6 @@ from turnrl.types import SamplingParams
 _TOP_P_SHORTLIST = 1024  # top-p first looks for the nucleus among this many most likely tokens
 
 
-def _draw(logprobs_K: torch.Tensor, generator: torch.Generator) -> int:
-    """Index of a sample from unnormalized log-probabilities (inverse CDF, float64)."""
-    cdf = torch.cumsum(torch.exp(logprobs_K.double() - logprobs_K.max()), 0)
-    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * cdf[-1:]
-    return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
-
-
 def _nucleus(values_K: torch.Tensor, top_p: float) -> int:
     """How many of the sorted (descending) log-probabilities form the top-p nucleus."""
     probs = torch.softmax(values_K.double(), 0)
@@ -39,7 +32,8 @@ def _candidates(logprobs_V: torch.Tensor, top_k: int, top_p: float) -> tuple[tor
 
 
 def _draw_rows(logprobs_B_V: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
-    """``_draw`` for every row at once, one uniform number from each row's generator."""
+    """Per row, the index of a sample from unnormalized log-probabilities (inverse CDF in float64,
+    one uniform number from each row's generator)."""
     x_B_V = logprobs_B_V.double()
     cdf_B_V = torch.cumsum(torch.exp(x_B_V - x_B_V.max(-1, keepdim=True).values), -1)
     u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
@@ -67,7 +61,7 @@ def sample_tokens(
             plain.append(b)
         else:
             values, ids = _candidates(logprobs_B_V[b], s.top_k, s.top_p)
-            tokens[b] = int(ids[_draw(values, generators[b])])
+            tokens[b] = int(ids[_draw_rows(values[None], [generators[b]])[0]])
     if plain:
         drawn = _draw_rows(logprobs_B_V[plain], [generators[b] for b in plain])
         for b, token in zip(plain, drawn, strict=True):
