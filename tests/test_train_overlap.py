@@ -98,3 +98,24 @@ def test_overlap_needs_a_staleness_bound(tmp_path: Path, tiny_qwen3_dir: Path) -
     data["algorithm"]["max_staleness"] = 0
     with pytest.raises(ValueError, match="max_staleness to at least 1"):
         TrainConfig.model_validate(data)
+
+
+def test_masking_offpolicy_tokens_leaves_loss_only_on_each_trajectorys_newest_version(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """``algorithm.offpolicy_tokens: mask``: a turn an update split keeps its older tokens in the
+    sequence (the engine conditioned on them) but without loss; the trajectory's newest carry it."""
+    cfg = config(tmp_path, tiny_qwen3_dir, "mask", overlap=True, max_inflight_groups=8).model_dump()
+    cfg["algorithm"]["offpolicy_tokens"] = "mask"
+    cfg["sampling"]["max_tokens"] = 48
+    cfg["limits"]["max_context_tokens"] = 256
+    train(TrainConfig.model_validate(cfg), console=QUIET)
+    masked = 0
+    for step in range(1, 5):
+        for traj in rollouts(tmp_path / "mask", step):
+            sampled = [v for v in traj.policy_versions if v >= 0]  # every model token, masked or not
+            trained = {v for v, m in zip(traj.policy_versions, traj.loss_mask, strict=True) if m}
+            assert trained <= {max(sampled)}
+            masked += int(traj.metrics["tokens/offpolicy_masked"])
+            assert traj.metrics["tokens/offpolicy_masked"] == sum(v < max(sampled) for v in sampled)
+    assert masked > 0  # updates met generations in flight

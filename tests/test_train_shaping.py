@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from pathlib import Path
@@ -15,7 +16,7 @@ from turnrl.rollout.codec import trajectory_from_json
 from turnrl.train.config import TrainConfig
 from turnrl.train.shaping import overlong_penalty, refill_count, shape_overlong, varied_groups
 from turnrl.train.trainer import build_run, train_step
-from turnrl.types import StepResult, StopReason, Trajectory
+from turnrl.types import Message, StepResult, StopReason, Trajectory
 
 QUIET = Console(file=io.StringIO())
 
@@ -137,3 +138,59 @@ async def test_without_dynamic_sampling_flat_groups_stay_and_overlong_shapes_rew
     # a random model runs to max_tokens (6): every trajectory is past 4 tokens, penalized, and cut
     assert metrics["overlong/penalized"] == 6 and metrics["overlong/penalty_mean"] == -0.5
     assert metrics["overlong/masked"] == metrics["stop/length"] * 6
+
+
+class SlowStartEnv(Env):
+    """One turn. Prompts named slow-* take two seconds to reset (a slow sandbox starting), fast-*
+    none: the slow groups are the step's slowest. Rewards by sample index, so every group varies."""
+
+    async def reset(self) -> list[Message]:
+        if self.sample.id.startswith("slow"):
+            await asyncio.sleep(2.0)
+        return await super().reset()
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(None, done=True)
+
+    async def score(self, trajectory: Trajectory) -> float:
+        return float(trajectory.sample_index % 2)
+
+    @staticmethod
+    def dataset() -> list[dict[str, Any]]:
+        return [{"id": f"{kind}-{i}", "prompt": f"Say {i}."} for kind in ("fast", "slow") for i in range(3)]
+
+
+register_env("test_slow_start", SlowStartEnv, SlowStartEnv.dataset)
+
+
+async def test_oversampling_stops_the_slowest_groups_and_trains_on_complete_ones(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """Three groups a step plus three over-sampled: once three are complete the rest stop. Every
+    trajectory rolled out is written once with its stop reason; a stopped group is left out whole."""
+    data = config(tmp_path, tiny_qwen3_dir, {}).model_dump()
+    data["env"]["name"] = "test_slow_start"
+    data["train"]["oversample_groups"] = 3
+    cfg = TrainConfig.model_validate(data)
+    run = build_run(cfg, overwrite=False, resume=False, console=QUIET)
+    try:
+        metrics = await train_step(run, 1)
+    finally:
+        await run.engine.close()
+    lines = (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()
+    rolled = [trajectory_from_json(json.loads(line)) for line in lines]
+    assert sorted((t.group_id, t.sample_index) for t in rolled) == sorted(
+        (row["id"], k) for row in SlowStartEnv.dataset() for k in range(2)
+    )  # the step's 3 prompts and 3 more, each trajectory exactly once
+    stopped = {t.group_id for t in rolled if t.stop_reason == StopReason.ABORTED}
+    assert stopped and all(g.startswith("slow") for g in stopped)  # the slow ones were stopped
+    assert metrics["oversample/stopped_groups"] == len(stopped)
+    assert metrics["train/groups"] == 6 - len(stopped) >= 3  # every complete group trains, none stopped
+    assert metrics["stop/aborted"] > 0
+
+
+def test_oversampling_is_for_the_synchronous_trainer(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    data = config(tmp_path, tiny_qwen3_dir, {"max_staleness": 1}).model_dump()
+    data["train"] |= {"oversample_groups": 2, "overlap": True}
+    with pytest.raises(ValueError, match="oversample_groups is for the synchronous trainer"):
+        TrainConfig.model_validate(data)

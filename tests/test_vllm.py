@@ -11,6 +11,7 @@ vLLM environment these tests skip locally and fail in CI.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -336,6 +337,57 @@ async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_
     for record in steps:  # vLLM sampled with exactly the weights the trainer holds (warm start, steps)
         assert abs(record["is/ratio_mean"] - 1) < 1e-3 and record["is/ratio_max"] < 1.01, record
     assert metrics["train/refused_versions"] == 0
+    reset = VLLMServerEngine(url)  # leave the base weights for the tests after this one
+    await reset.update_weights(smollm2.state_dict())
+    await reset.close()
+
+
+async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_the_bound(
+    servers: Any, smollm2: Any, tmp_path: Path
+) -> None:
+    """``train.overlap`` on vLLM servers: rollouts go on while the trainer steps; each weight push
+    aborts the turns in flight (keeping their tokens), loads the weights and resumes every turn from
+    its last token under the new version. Versions never go backwards along a trajectory, every
+    trained token is within the staleness bound, and the sequences stay exact."""
+    from turnrl.rollout.codec import trajectory_from_json
+    from turnrl.train.config import load_train_config
+    from turnrl.train.loop import train_async
+
+    url = servers.servers[0].url
+    overrides = [
+        "engine.kind=vllm",
+        f'engine.urls=["{url}"]',
+        f"output_dir={tmp_path / 'train'}",
+        "train.steps=3",
+        "train.prompts_per_step=4",
+        "train.save_every=0",
+        "train.save_rollouts=true",
+        "train.overlap=true",
+        "train.max_inflight_groups=8",
+        "algorithm.max_staleness=1",
+        "rollout.group_size=2",
+        "eval.data=null",
+        "warm_start.data.kwargs.size=8",
+        "warm_start.epochs=1",
+        "train.plot=false",
+    ]
+    config = load_train_config(ROOT / "examples" / "train_key_lookup.yaml", overrides)
+    await train_async(config)
+    out = tmp_path / "train"
+    records = [yaml.safe_load(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("step", 0) >= 1]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["async/staleness_max"] <= 1 and r["time/sync"] > 0 for r in steps)
+    split = 0
+    for step in (1, 2, 3):
+        lines = (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        for traj in (trajectory_from_json(json.loads(line)) for line in lines):
+            model = [v for v, m in zip(traj.policy_versions, traj.loss_mask, strict=True) if m]
+            assert model == sorted(model), model
+            assert traj.metrics.get("check/ok"), traj.metrics
+            turns = [t for t in traj.turns if t.role == "assistant"]
+            split += sum(len(set(traj.policy_versions[t.start : t.end])) > 1 for t in turns)
+    assert split > 0  # a push met turns in flight: they went on from their tokens under new weights
     reset = VLLMServerEngine(url)  # leave the base weights for the tests after this one
     await reset.update_weights(smollm2.state_dict())
     await reset.close()

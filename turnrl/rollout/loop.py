@@ -327,8 +327,10 @@ async def _generate(
     aborts the generation, the sampled tokens are kept and, on resume, generation continues from
     them, conditioned on them, until the turn is complete."""
     control = spec.control
-    if control is not None and control.stopped:
-        return Generation([], [], "abort")
+    if control is not None:
+        await control.wait_running()  # a turn never starts during a pause (a weight update)
+        if control.stopped:
+            return Generation([], [], "abort")
     seed = request_seed(spec.sampling.seed, sample, index, record.num_model_turns)
     sampling = spec.sampling.for_request(max_tokens, seed)
     session = f"{sample.id}/{index}"

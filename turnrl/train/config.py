@@ -64,6 +64,9 @@ class AlgorithmConfig(_Strict):
     kl_coef: float = Field(0.0, ge=0)  # > 0 loads a frozen reference model
     recompute_old_logprobs: bool = True  # else the rollout's logprobs are the PPO behaviour policy
     max_staleness: int = Field(0, ge=0)  # train on tokens sampled up to this many weight versions back
+    # tokens of a turn that a weight update split (partial rollout, overlapped training) sampled by the
+    # older weights: kept and corrected by the importance weights, or masked (no loss)
+    offpolicy_tokens: Literal["correct", "mask"] = "correct"
     train_on_failures: bool = False  # train on trajectories an engine, env or internal error ended
     overlong: OverlongConfig | None = None  # DAPO's overlong shaping and filtering (None: off)
     dynamic_sampling: DynamicSamplingConfig | None = None  # DAPO's dynamic sampling (None: off)
@@ -145,6 +148,9 @@ class TrainLoopConfig(_Strict):
     save_rollouts: bool = False  # write every step's trajectories to rollouts/step_K.jsonl
     overlap: bool = False  # roll out ahead while the trainer steps (needs algorithm.max_staleness >= 1)
     max_inflight_groups: int | None = Field(None, ge=1)  # overlap: groups in flight (None: staleness steps)
+    # synchronous: roll out this many groups more than prompts_per_step and stop the slowest once
+    # prompts_per_step are complete (their trajectories end as aborted and are not trained on)
+    oversample_groups: int = Field(0, ge=0)
     tracker: Tracker = "none"  # also log to this tracker (it must be installed)
     plot: bool = True  # reward curve PNG at the end (needs matplotlib)
 
@@ -226,8 +232,16 @@ class TrainConfig(RunSections):
                 "train.overlap rolls out while the trainer steps, so tokens are one version old or more: "
                 "set algorithm.max_staleness to at least 1"
             )
-        if self.train.overlap and not isinstance(self.engine, HFEngineConfig):
-            raise ValueError("train.overlap runs on the embedded engine (engine.kind: hf) for now")
+        if self.train.overlap and self.train.oversample_groups:
+            raise ValueError(
+                "train.oversample_groups is for the synchronous trainer: the overlapped one already "
+                "trains on the groups that finish first (set it to 0 with train.overlap)"
+            )
+        if self.train.oversample_groups and self.algorithm.dynamic_sampling is not None:
+            raise ValueError(
+                "train.oversample_groups and algorithm.dynamic_sampling exclude each other: "
+                "dynamic sampling already refills the step with more groups"
+            )
         return self
 
 

@@ -9,7 +9,9 @@ finished groups off the queue (fastest first), screens them as the synchronous s
 all-equal rewards are skipped and the next ones taken), trains on them in a worker thread while
 the producer and the engine go on, and pushes the new weights into the running engine. Requests
 in flight go on under the new weights (a partial rollout across the update): every token keeps
-the version that sampled it.
+the version that sampled it. The embedded engine swaps weights between two decode steps; vLLM
+servers have their turns in flight aborted (keeping their tokens), reload, and each turn resumes
+from its last token (``trainer.push_weights`` through the rollout's ``RolloutControl``).
 
 The staleness bound is ``algorithm.max_staleness``: a group with a model token sampled more than
 that many versions before the one serving now is refused at batch time and counted

@@ -42,6 +42,7 @@ from turnrl.engines.vllm import save_weights, scratch_weights_dir
 from turnrl.env.registry import resolve_env
 from turnrl.models import ModelSpec, load_model, load_tokenizer, load_vision_processor, resolve_model
 from turnrl.rollout.collector import OnDone, collect
+from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.loop import RolloutSpec
 from turnrl.train.advantages import compute_advantages, groups
 from turnrl.train.batch import (
@@ -74,7 +75,7 @@ from turnrl.train.metrics import rollout_metrics
 from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
 from turnrl.train.shaping import refill_count, refill_prompts, shape_overlong, varied_groups
-from turnrl.types import Engine, Sample, Trajectory, as_updatable
+from turnrl.types import Engine, Sample, StopReason, Trajectory, as_abortable, as_updatable
 
 
 @dataclass
@@ -147,8 +148,14 @@ def build_run(
         optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
     )
     rollout = build_spec(config, engine, tokenizer, build_env_factory(config.env, entry))
-    if config.algorithm.samples == "inference":  # each turn's inference-time context is recorded
-        rollout = dataclasses.replace(rollout, inference_contexts=True)
+    rollout = dataclasses.replace(
+        rollout,
+        # each turn's inference-time context is recorded
+        inference_contexts=rollout.inference_contexts or config.algorithm.samples == "inference",
+        mask_offpolicy=config.algorithm.offpolicy_tokens == "mask",
+    )
+    if config.train.overlap and not isinstance(engine, HFEngine):  # servers pause turns for an update
+        rollout = dataclasses.replace(rollout, control=RolloutControl())
     if ranks.main:
         start_output(config, resumed)  # every input is valid: now the folder may change
     barrier(ranks)  # rank 0 has emptied the folder before any rank writes its rollouts there
@@ -322,12 +329,22 @@ class StepCounts:
 
 
 async def _rollout(
-    run: Run, prompts: list[Sample], step: int, round_: int, out_path: Path | None
+    run: Run,
+    prompts: list[Sample],
+    step: int,
+    round_: int,
+    out_path: Path | None,
+    target_groups: int | None = None,
 ) -> list[Trajectory]:
-    """One rollout round of a step: ``group_size`` trajectories per prompt, seeded by step and round."""
+    """One rollout round of a step: ``group_size`` trajectories per prompt, seeded by step and round;
+    with ``target_groups``, the slowest are stopped once that many groups are complete."""
     cfg = run.config
     seed = step_seed(cfg.seed, step) + 7919 * (round_ - 1)
     spec = dataclasses.replace(run.spec, sampling=dataclasses.replace(run.spec.sampling, seed=seed))
+    if target_groups is not None:  # a control of the round's own: stopping it ends only this round
+        spec = dataclasses.replace(
+            spec, control=RolloutControl(int(getattr(run.engine, "weight_version", 0)))
+        )
     group = cfg.rollout.group_size
     label = f"step {step} rollout" + (f" (round {round_})" if round_ > 1 else "")
     trajs = await collect(
@@ -337,8 +354,15 @@ async def _rollout(
         concurrency=cfg.rollout.concurrency,
         out_path=out_path,
         on_done=run.phase(label, len(prompts) * group),
+        target_groups=target_groups,
     )
     return sorted(trajs, key=lambda t: (t.group_id, t.sample_index))
+
+
+def complete_groups(trajs: list[Trajectory]) -> tuple[list[Trajectory], int]:
+    """The groups none of whose members over-sampling stopped (``aborted``), and how many were stopped."""
+    stopped = {t.group_id for t in trajs if t.stop_reason == StopReason.ABORTED}
+    return [t for t in trajs if t.group_id not in stopped], len(stopped)
 
 
 async def _step_trajectories(
@@ -352,6 +376,8 @@ async def _step_trajectories(
     prompts = shard(chosen, run.ranks)  # this rank's share (all of them in one process)
     pool = shard([s for s in run.samples if s.id not in {p.id for p in chosen}], run.ranks)
     target, counts = len(prompts), StepCounts()
+    if cfg.train.oversample_groups:
+        return await _oversampled(run, step, prompts, pool, out_path)
     rolled: list[Trajectory] = []
     keep: list[Trajectory] = []
     tried = 0
@@ -378,6 +404,19 @@ async def _step_trajectories(
     counts.shaped["dynamic/kept_groups"] += len(kept_groups)
     counts.shaped["dynamic/short_groups"] += target - len(kept_groups)
     return rolled, [keep[i] for members in kept_groups for i in members], counts
+
+
+async def _oversampled(
+    run: Run, step: int, prompts: list[Sample], pool: list[Sample], out_path: Path | None
+) -> tuple[list[Trajectory], list[Trajectory], StepCounts]:
+    """Roll out ``train.oversample_groups`` more groups than the step needs (this rank's share of
+    them); once the step's number of groups is complete, the rest are stopped and left out."""
+    cfg, counts = run.config, StepCounts(rounds=1)
+    extra = refill_prompts(pool, cfg.train.oversample_groups, cfg.seed, step, 0)
+    rolled = await _rollout(run, prompts + extra, step, 1, out_path, target_groups=len(prompts))
+    complete, stopped = complete_groups(rolled)
+    counts.shaped["oversample/stopped_groups"] += stopped
+    return rolled, screen(run, complete, counts), counts
 
 
 def screen(run: Run, trajs: list[Trajectory], counts: StepCounts) -> list[Trajectory]:
@@ -463,8 +502,18 @@ async def push_weights(run: Run) -> None:
     if run.weights_dir is None:
         chosen = getattr(run.config.engine, "weights_dir", None)
         run.weights_dir = Path(chosen) if chosen else scratch_weights_dir()
-    save_weights(full_weights(run.policy), run.weights_dir)
-    await as_updatable(run.engine).update_weights(run.weights_dir)
+    await asyncio.to_thread(save_weights, full_weights(run.policy), run.weights_dir)  # rollouts go on
+    control = run.spec.control
+    if control is None:
+        await as_updatable(run.engine).update_weights(run.weights_dir)
+        return
+    # overlapped: the turns in flight stop where they are (their tokens kept), the servers load the
+    # new weights, and each turn goes on from its last token under them (a partial rollout)
+    await control.pause(as_abortable(run.engine))
+    try:
+        await as_updatable(run.engine).update_weights(run.weights_dir)
+    finally:
+        control.resume(int(getattr(run.engine, "weight_version", 0)))
 
 
 def _save(run: Run, step: int) -> None:
