@@ -3,7 +3,8 @@
 The batch: ``--rows`` sequences of a ``--prompt``-token prompt and a completion of varied length
 (from a quarter of ``--completion`` to all of it), random token ids, one advantage per row
 (a group-normalized reward), every completion token trained on. Each side does the same work:
-a forward and backward pass over every row in micro-batches, then one AdamW step.
+a forward and backward pass over every row in micro-batches, then one AdamW step. ``--bf16``
+runs both under bfloat16 autocast (turnrl: the body; its vocabulary projection stays float32).
 
 - ``turnrl``: the trainer's path: rows sorted by length into micro-batches of at most
   ``--micro-tokens`` padded tokens (``micro_batches``), the body's hidden states projected
@@ -18,7 +19,7 @@ then ``--steps`` timed steps; trained tokens per second of the median step and t
 RSS above what it held after loading the model. Sides alternate, ``--repeats`` times.
 
     .venv/bin/python bench/trainer_speed.py [--model smollm2-135m] [--rows 16] [--prompt 128]
-        [--completion 384] [--steps 3] [--repeats 2]
+        [--completion 384] [--steps 3] [--repeats 2] [--bf16]
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argpars
     optimizer.zero_grad(set_to_none=True)
     for part in micro_batches(samples, args.micro_tokens):
         b = collate(part, 0)
-        logprobs = token_logprobs(model, b.input_ids_B_T, b.attention_mask_B_T, b.loss_mask_B_T > 0)
+        logprobs = token_logprobs(
+            model, b.input_ids_B_T, b.attention_mask_B_T, b.loss_mask_B_T > 0, autocast=args.autocast
+        )
         old = logprobs.detach()
         inputs = LossInputs(logprobs, old, old, b.advantages_B_T, b.loss_mask_B_T)
         policy_loss("ppo", inputs, LossOptions(), tokens).loss.backward()
@@ -137,7 +140,8 @@ def trl_step(trainer: Any, optimizer: Any, data: tuple[Any, ...], args: argparse
             "advantages": torch.tensor([advantages[i] for i in rows]),
             "num_items_in_batch": torch.tensor(float(tokens)),
         }
-        loss = trainer.compute_loss(trainer.model, inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast is not None):
+            loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()  # TRL's default loss (dapo) is a sum over the step's num_items_in_batch tokens
     optimizer.step()
     return tokens
@@ -185,8 +189,10 @@ def main() -> None:
     parser.add_argument("--trl-rows", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="both sides under bfloat16 autocast")
     parser.add_argument("--side", choices=["turnrl", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.autocast = torch.bfloat16 if args.bf16 else None
     if args.side:
         run_side(args)
         return

@@ -15,6 +15,7 @@ from turnrl.models import load_model
 from turnrl.train.batch import TrainSample, collate, micro_batches
 from turnrl.train.config import TrainConfig
 from turnrl.train.data_parallel import close_ranks, init_ranks, shard
+from turnrl.train.fsdp import full_state_dict, shard_policy
 from turnrl.train.trainer import _prepare, update_policy
 
 
@@ -37,30 +38,37 @@ def fixed_samples(count: int) -> list[TrainSample]:
     return out
 
 
-def main(model_dir: str, out: str) -> None:
+def main(model_dir: str, out: str, mode: str = "replicated") -> None:
+    """``mode``: replicated (every rank the whole policy) or fsdp (sharded across the ranks)."""
     ranks, _ = init_ranks("cpu")
     torch.manual_seed(0)
     policy = load_model(model_dir)
+    sharded = shard_policy(policy, ranks) if mode == "fsdp" else None
     config = TrainConfig.model_validate({"model": model_dir, "env": {"name": "guess_number"}})
     # plain SGD: the weights move by the gradient itself (Adam's first step divides each gradient
     # by its own magnitude, which turns rounding in a near-zero gradient into a full-size step)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     run = SimpleNamespace(config=config, policy=policy, ref=None, optimizer=optimizer, scheduler=scheduler)
-    run.ranks = ranks
+    run.ranks, run.sharded, run.tokenizer = ranks, sharded, SimpleNamespace(pad_token_id=0)
     samples = fixed_samples(8)
     tokens = sum(sum(s.loss_mask) for s in samples)  # the whole step's loss tokens
     mine = shard(samples, ranks)
-    batches = [collate(group, 0) for group in micro_batches(mine, 40)]  # several per rank
+    # several micro-batches per rank; under FSDP rank 1 holds fewer (it runs empty ones)
+    batches = [collate(group, 0) for group in micro_batches(mine, 40 if ranks.rank == 0 else 80)]
     _prepare(run, batches)  # type: ignore[arg-type]
     metrics = update_policy(run, batches, tokens)  # type: ignore[arg-type]
+    metrics["micro_batches"] = len(batches)
     folder = Path(out)
-    torch.save(policy.state_dict(), folder / f"weights.{ranks.world}.{ranks.rank}.pt")
-    grads = {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}
-    torch.save(grads, folder / f"grads.{ranks.world}.{ranks.rank}.pt")
-    (folder / f"metrics.{ranks.world}.{ranks.rank}.json").write_text(json.dumps(metrics))
+    name = f"{mode}.{ranks.world}.{ranks.rank}"
+    weights = full_state_dict(policy) if sharded else policy.state_dict()
+    torch.save(weights, folder / f"weights.{name}.pt")
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
+    grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
+    torch.save(grads, folder / f"grads.{name}.pt")
+    (folder / f"metrics.{name}.json").write_text(json.dumps(metrics))
     close_ranks(ranks)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -34,27 +35,31 @@ def torchrun(ranks: int, *args: str, cwd: Path | None = None) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def test_two_gloo_ranks_make_the_one_process_update(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+@pytest.mark.parametrize("mode", ["replicated", "fsdp"])
+def test_two_gloo_ranks_make_the_one_process_update(tmp_path: Path, tiny_qwen3_dir: Path, mode: str) -> None:
     """A fixed batch of 8 samples: one process trains on all of them; two ranks on 4 each, with
     the loss normalized by the whole batch's tokens and the gradients summed across ranks. Both
-    ranks end with identical weights, equal to the one-process update; the losses are equal."""
+    ranks end with identical weights, equal to the one-process update; the losses are equal.
+    ``fsdp``: the policy sharded across the two ranks (FSDP2), rank 1 with fewer micro-batches
+    than rank 0 (it runs empty ones so the collectives meet): the same update, gathered whole."""
     worker = str(HERE / "dp_worker.py")
     torchrun(1, worker, str(tiny_qwen3_dir), str(tmp_path))
-    torchrun(2, worker, str(tiny_qwen3_dir), str(tmp_path))
-    alone = torch.load(tmp_path / "weights.1.0.pt")
-    first, second = torch.load(tmp_path / "weights.2.0.pt"), torch.load(tmp_path / "weights.2.1.pt")
+    torchrun(2, worker, str(tiny_qwen3_dir), str(tmp_path), mode)
+    alone = torch.load(tmp_path / "weights.replicated.1.0.pt")
+    first, second = (torch.load(tmp_path / f"weights.{mode}.2.{r}.pt") for r in (0, 1))
     assert alone.keys() == first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)  # identical on every rank
     for name in alone:
         torch.testing.assert_close(first[name], alone[name], atol=1e-7, rtol=1e-6)
     # the summed gradients are the one-process gradients (rounding only: sums in another order)
-    grads = torch.load(tmp_path / "grads.1.0.pt"), torch.load(tmp_path / "grads.2.0.pt")
+    grads = torch.load(tmp_path / "grads.replicated.1.0.pt"), torch.load(tmp_path / f"grads.{mode}.2.0.pt")
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name, grad in grads[0].items():
         # float32 sums over other micro-batches and paddings: within 1e-4 of the largest entry
         torch.testing.assert_close(grads[1][name], grad, atol=1e-4 * float(grad.abs().max()), rtol=0)
-    one = json.loads((tmp_path / "metrics.1.0.json").read_text())
-    two = [json.loads((tmp_path / f"metrics.2.{r}.json").read_text()) for r in (0, 1)]
+    one = json.loads((tmp_path / "metrics.replicated.1.0.json").read_text())
+    two = [json.loads((tmp_path / f"metrics.{mode}.2.{r}.json").read_text()) for r in (0, 1)]
+    assert two[0].pop("micro_batches") > two[1].pop("micro_batches")  # rank 1 ran empty ones
     assert two[0] == two[1]  # every rank reports the step's totals
     assert abs(two[0]["loss/value"] - one["loss/value"]) < 1e-5
     assert abs(two[0]["grad_norm"] - one["grad_norm"]) < 1e-4 * max(1.0, one["grad_norm"])
@@ -96,3 +101,41 @@ def test_turnrl_train_under_torchrun_splits_the_prompts_and_keeps_the_ranks_iden
         assert len(ids[0]) == len(ids[1]) == 2 and not ids[0] & ids[1]
         assert ids[0] | ids[1] == {s.id for s in step_prompts(samples, 4, step - 1, seed=0)}
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000002"]
+
+
+def test_fsdp_under_torchrun_trains_part_of_the_model_checkpoints_it_whole_and_resumes(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """`train.fsdp: true` under torchrun, training one layer and the final norm (frozen and trained
+    weights in one sharded unit): each step's update reaches the engines (rollouts go on), rank 0
+    writes whole checkpoints (weights and AdamW moments gathered), and `--resume` continues."""
+    from turnrl.models import load_model
+
+    config = {
+        "model": str(tiny_qwen3_dir),
+        "env": {"name": "turnrl.testing:ParityEnv"},
+        "sampling": {"temperature": 1.0, "max_tokens": 6},
+        "limits": {"max_turns": 1, "max_context_tokens": 128},
+        "optim": {"lr": 1e-2, "trainable": [r"layers\.1\.", r"model\.norm"]},
+        "rollout": {"group_size": 4},
+        "train": {"steps": 2, "prompts_per_step": 4, "plot": False, "save_every": 1, "fsdp": True},
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
+    torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", cwd=tmp_path)
+    out = tmp_path / "run"
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2] and "dist/param_spread" not in records[1]
+    assert all(r["train/samples"] > 0 and r["grad_norm"] > 0 for r in records[1:])
+    base = load_model(str(tiny_qwen3_dir)).state_dict()
+    saved = load_model(str(out / "checkpoints" / "step_000002" / "model")).state_dict()
+    moved = {k for k in base if not torch.equal(base[k], saved[k])}
+    assert moved and all(k.startswith(("model.layers.1.", "model.norm")) for k in moved), moved
+    moments = torch.load(out / "checkpoints" / "step_000002" / "optimizer.pt", weights_only=False)
+    sizes = sorted(s["exp_avg"].numel() for s in moments["optimizer"]["state"].values())
+    expected = sorted(v.numel() for k, v in base.items() if k.startswith(("model.layers.1.", "model.norm")))
+    assert sizes == expected  # every trained weight's moments, whole
+    config["train"]["steps"] = 3
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
+    torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", "--resume", cwd=tmp_path)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]

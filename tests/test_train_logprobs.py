@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from turnrl.models import load_model
 from turnrl.train.logprobs import naive_token_logprobs, token_logprobs
@@ -110,3 +111,24 @@ def test_frozen_head_gets_no_gradient_and_the_rest_still_matches(model: Any) -> 
     for name in expected:
         scale = float(expected[name].abs().max())
         torch.testing.assert_close(got[name], expected[name], atol=1e-4 * scale, rtol=0, msg=name)
+
+
+def test_bfloat16_autocast_is_close_to_float32_and_keeps_float32_weights_and_gradients(model: Any) -> None:
+    """``autocast=torch.bfloat16`` (``train.precision: bfloat16``): the body's products in
+    bfloat16, the parameters, their gradients and the returned logprobs float32; the values
+    within bfloat16's rounding of the float32 ones, the gradients pointing the same way."""
+    ids, attention = inputs()
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1)) * attention
+    full = token_logprobs(model, ids, attention)
+    (full * weights).sum().backward()
+    expected = grads(model)
+    mixed = token_logprobs(model, ids, attention, autocast=torch.bfloat16)
+    (mixed * weights).sum().backward()
+    got = grads(model)
+    real = attention.bool()
+    real[:, 0] = False
+    assert mixed.dtype == torch.float32 and all(g.dtype == torch.float32 for g in got.values())
+    gap = float((mixed - full).detach()[real].abs().max())
+    assert 0 < gap < 0.15  # bfloat16 did run; measured: 0.08 nats at most, on logprobs near -12
+    flat = lambda g: torch.cat([v.flatten() for v in g.values()])  # noqa: E731
+    assert float(F.cosine_similarity(flat(got), flat(expected), dim=0)) > 0.99

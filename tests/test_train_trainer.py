@@ -75,6 +75,27 @@ async def test_a_step_changes_the_policy_and_the_engine(tmp_path: Path, tiny_qwe
         assert key in metrics
 
 
+async def test_bfloat16_precision_trains_float32_weights_with_bfloat16_products(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """``train.precision: bfloat16``: the step trains (float32 weights move), and the old logprobs
+    it recomputes under autocast differ from the engine's float32 ones by bfloat16's rounding:
+    the rollout ratio is near 1 but no longer 1 to float32 rounding."""
+    run = build_run(
+        config(tmp_path, tiny_qwen3_dir, precision="bfloat16"), overwrite=False, resume=False, console=QUIET
+    )
+    try:
+        before = {k: v.clone() for k, v in run.policy.state_dict().items()}
+        metrics = await train_step(run, 1)
+    finally:
+        await run.engine.close()
+    after = run.policy.state_dict()
+    assert all(v.dtype == torch.float32 for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before) and metrics["grad_norm"] > 0
+    assert metrics["is/ratio_min"] > 0.8 and metrics["is/ratio_max"] < 1.25
+    assert metrics["is/ratio_max"] - metrics["is/ratio_min"] > 1e-3  # bfloat16 did run
+
+
 def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model" / "model.safetensors"))
 

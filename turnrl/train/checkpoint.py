@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,17 +65,22 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     keep: int,
     with_optimizer: bool = True,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically; keep only the newest ``keep``. Without
-    ``with_optimizer`` the optimizer's moments (twice the trained weights' size) are left out."""
+    ``with_optimizer`` the optimizer's moments (twice the trained weights' size) are left out.
+    ``state_dict`` and ``optimizer_state`` replace the model's and optimizer's own (a sharded
+    model's, gathered whole)."""
     final = out_dir / CHECKPOINTS / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model")
+    model.save_pretrained(tmp / "model", state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "model")
-    optimizer_state = optimizer.state_dict() if with_optimizer else None
+    if optimizer_state is None and with_optimizer:
+        optimizer_state = optimizer.state_dict()
     torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step}))
@@ -86,12 +92,16 @@ def save_checkpoint(
 
 
 def restore_training_state(
-    path: Path, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+    path: Path,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    load_optimizer: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
-    """Load the optimizer (when the checkpoint has it), scheduler and RNG states; return its step."""
+    """Load the optimizer (when the checkpoint has it; through ``load_optimizer`` when given),
+    scheduler and RNG states; return its step."""
     states = torch.load(path / "optimizer.pt", weights_only=False)
     if states["optimizer"] is not None:
-        optimizer.load_state_dict(states["optimizer"])
+        (load_optimizer or optimizer.load_state_dict)(states["optimizer"])
     scheduler.load_state_dict(states["scheduler"])
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])

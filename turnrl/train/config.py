@@ -140,6 +140,9 @@ class TrainLoopConfig(_Strict):
     mini_batches: int = Field(1, ge=1)  # optimizer steps per pass (at most one per micro-batch)
     micro_batch_tokens: int = Field(4096, ge=1)  # padded tokens per forward/backward
     logprob_chunk: int = Field(256, ge=1)  # positions projected through lm_head at a time
+    # bfloat16: the policy's forward and backward under bfloat16 autocast (mixed precision: weights,
+    # optimizer state and the vocabulary projection stay float32)
+    precision: Literal["float32", "bfloat16"] = "float32"
     save_every: int = Field(10, ge=0)  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = Field(2, ge=1)  # the newest this many are kept
     save_optimizer: bool = (
@@ -151,6 +154,9 @@ class TrainLoopConfig(_Strict):
     # synchronous: roll out this many groups more than prompts_per_step and stop the slowest once
     # prompts_per_step are complete (their trajectories end as aborted and are not trained on)
     oversample_groups: int = Field(0, ge=0)
+    # under torchrun: shard the policy, its gradients and AdamW moments across the ranks (FSDP2);
+    # false: every rank holds the whole policy (data-parallel, gradients all-reduced)
+    fsdp: bool = False
     tracker: Tracker = "none"  # also log to this tracker (it must be installed)
     plot: bool = True  # reward curve PNG at the end (needs matplotlib)
 
@@ -232,6 +238,8 @@ class TrainConfig(RunSections):
                 "train.overlap rolls out while the trainer steps, so tokens are one version old or more: "
                 "set algorithm.max_staleness to at least 1"
             )
+        if self.train.fsdp and self.optim.lora is not None:
+            raise ValueError("train.fsdp shards full-parameter training: it does not take optim.lora yet")
         if self.train.overlap and self.train.oversample_groups:
             raise ValueError(
                 "train.oversample_groups is for the synchronous trainer: the overlapped one already "

@@ -139,3 +139,16 @@ def param_spread(model: Any, ranks: Ranks) -> float:
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     sums = gather(checksum, ranks)
     return max(sums) - min(sums)
+
+
+def clip_gradients(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients to a global norm of at most ``max_norm``; the norm before. Sharded
+    gradients (FSDP's DTensors) count whole: their norm is reduced over the ranks."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads)
+    full = getattr(norm, "full_tensor", None)
+    norm = full() if full is not None else norm
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)

@@ -83,6 +83,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 256,
     multimodal: Mapping[str, torch.Tensor] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``logprobs_B_T[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``.
 
@@ -90,7 +91,9 @@ def token_logprobs(
     the others, and position 0, are exactly 0 and get no gradient. ``chunk_size`` is the number
     of positions projected through ``lm_head`` at a time. ``multimodal`` holds a vision-language
     model's image inputs for the batch (``pixel_values``, ``image_grid_thw``: every row's images,
-    in row order), as ``Trajectory.multimodal_inputs`` has them.
+    in row order), as ``Trajectory.multimodal_inputs`` has them. ``autocast`` (``torch.bfloat16``)
+    runs the model body under autocast (mixed precision: float32 weights, bfloat16 products); the
+    vocabulary projection and its log-softmax stay in float32 either way.
     """
     _check_plain_head(model)
     batch, length = input_ids_B_T.shape
@@ -100,7 +103,11 @@ def token_logprobs(
         else torch.ones_like(input_ids_B_T, dtype=torch.bool)
     )
     want_B_S = want_B_T[:, 1:]  # S = T - 1: the hidden state at s predicts the token at s + 1
-    hidden_B_T_H = _hidden_states(model, input_ids_B_T, attention_mask_B_T, multimodal)
+    device = input_ids_B_T.device.type
+    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        hidden_B_T_H = _hidden_states(model, input_ids_B_T, attention_mask_B_T, multimodal)
+    if autocast is not None:
+        hidden_B_T_H = hidden_B_T_H.to(model.get_output_embeddings().weight.dtype)
     hidden_N_H = hidden_B_T_H[:, :-1][want_B_S]
     targets_N = input_ids_B_T[:, 1:][want_B_S]
     head = model.get_output_embeddings()

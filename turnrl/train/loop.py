@@ -43,6 +43,8 @@ def _join_ranks(config: TrainConfig) -> tuple[TrainConfig, Ranks]:
             "data-parallel training (torchrun) runs the embedded engine on every rank: "
             f"engine.kind {config.engine.kind!r} is not supported there yet"
         )
+    if config.train.fsdp and launched_ranks() <= 1:
+        raise ValueError("train.fsdp shards the policy across processes: start the run with torchrun")
     device = config.engine.device if isinstance(config.engine, HFEngineConfig) else "cpu"
     ranks, device = init_ranks(device)
     if isinstance(config.engine, HFEngineConfig) and device != config.engine.device:

@@ -9,6 +9,7 @@ Only demonstrations the env rewards (``reward > 0``) are kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import statistics
 import time
@@ -25,6 +26,7 @@ from turnrl.imports import import_object
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.train.batch import build_samples, collate, micro_batches
 from turnrl.train.config import TrainConfig
+from turnrl.train.data_parallel import clip_gradients
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.progress import TrainProgress
 from turnrl.types import Sample, Trajectory
@@ -66,8 +68,13 @@ def sft_epochs(
     chunk_size: int,
     seed: int,
     on_step: Callable[[], None] | None = None,
+    forward: Callable[..., torch.Tensor] | None = None,
+    grad_scale: float = 1.0,
 ) -> list[float]:
-    """AdamW on the token-mean negative log-likelihood of the model tokens; the loss of each step."""
+    """AdamW on the token-mean negative log-likelihood of the model tokens; the loss of each step.
+    ``forward`` computes the logprobs (default ``token_logprobs`` of ``model``; a sharded policy's
+    root under FSDP); each loss is multiplied by ``grad_scale`` before its backward pass."""
+    logprobs = forward or functools.partial(token_logprobs, model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     samples = build_samples("trajectory", trajs, [[0.0] * t.num_turns for t in trajs])
@@ -84,8 +91,7 @@ def sft_epochs(
             total = 0.0
             for b in batches:
                 mask = b.loss_mask_B_T
-                logp = token_logprobs(
-                    model,
+                logp = logprobs(
                     b.input_ids_B_T,
                     b.attention_mask_B_T,
                     mask > 0,
@@ -93,9 +99,9 @@ def sft_epochs(
                     multimodal=b.multimodal,
                 )
                 loss = -(logp * mask).sum() / tokens
-                loss.backward()
+                (loss * grad_scale).backward()
                 total += float(loss.detach())
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            clip_gradients(params, 1.0)
             optimizer.step()
             losses.append(total)
             if on_step is not None:
@@ -104,9 +110,15 @@ def sft_epochs(
 
 
 async def warm_start(
-    model: Any, spec: RolloutSpec, config: TrainConfig, progress: TrainProgress | None = None
+    model: Any,
+    spec: RolloutSpec,
+    config: TrainConfig,
+    progress: TrainProgress | None = None,
+    forward: Callable[..., torch.Tensor] | None = None,
+    grad_scale: float = 1.0,
 ) -> dict[str, float]:
-    """Replay ``config.warm_start``'s demonstrations through the env, then train ``model`` on them."""
+    """Replay ``config.warm_start``'s demonstrations through the env, then train ``model`` on them
+    (``forward`` and ``grad_scale``: see ``sft_epochs``)."""
     cfg = config.warm_start
     assert cfg is not None
     t0 = time.perf_counter()
@@ -133,6 +145,8 @@ async def warm_start(
         chunk_size=config.train.logprob_chunk,
         seed=config.seed,
         on_step=progress.advance if progress is not None else None,
+        forward=forward,
+        grad_scale=grad_scale,
     )
     return {
         "warm_start/demos": len(trajs),

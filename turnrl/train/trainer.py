@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import random
 import re
 import time
@@ -60,6 +61,7 @@ from turnrl.train.data_parallel import (
     SINGLE,
     Ranks,
     barrier,
+    clip_gradients,
     gather,
     param_spread,
     shard,
@@ -68,6 +70,14 @@ from turnrl.train.data_parallel import (
 )
 from turnrl.train.evaluation import EVAL_SEED_OFFSET, eval_metrics, run_eval
 from turnrl.train.exclusions import exclude_failures, exclusion_metrics
+from turnrl.train.fsdp import (
+    ShardedPolicy,
+    full_optimizer_state,
+    full_state_dict,
+    load_optimizer_state,
+    pad_batches,
+    shard_policy,
+)
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.lora import full_weights, is_lora, saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
@@ -99,6 +109,7 @@ class Run:
     weights_dir: Path | None = None  # where weight updates for server engines are written
     console: Console | None = None  # where the run reports
     ranks: Ranks = SINGLE  # this process among the data-parallel training processes (torchrun)
+    sharded: ShardedPolicy | None = None  # the policy's FSDP root (train.fsdp), whose forward is logprobs
 
     def phase(self, name: str, total: int) -> OnDone | None:
         """Show a phase of ``total`` trajectories; the callback that counts them."""
@@ -140,9 +151,10 @@ def build_run(
     engine = _engine(config, policy, spec, tokenizer, console)  # a resume pushes its weights in train_async
     if opt.lora is not None:
         policy = wrap_lora(policy, opt.lora, adapters)
-        params = [p for p in policy.parameters() if p.requires_grad]
     else:
-        params = trainable_parameters(policy, opt.trainable)
+        trainable_parameters(policy, opt.trainable)
+    sharded = shard_policy(policy, ranks) if config.train.fsdp else None
+    params = [p for p in policy.parameters() if p.requires_grad]  # sharded ones under FSDP
     optimizer = torch.optim.AdamW(params, opt.lr, opt.betas, weight_decay=opt.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
@@ -163,9 +175,10 @@ def build_run(
     run = Run(
         config, policy, ref, tokenizer, engine, optimizer, scheduler, rollout, samples, eval_samples, out
     )
-    run.console, run.ranks = console, ranks
+    run.console, run.ranks, run.sharded = console, ranks, sharded
     if resumed:
-        run.step = restore_training_state(resumed.model_dir.parent, optimizer, scheduler)
+        load = functools.partial(load_optimizer_state, sharded, optimizer) if sharded else None
+        run.step = restore_training_state(resumed.model_dir.parent, optimizer, scheduler, load)
         run.resumed = True
         console.print(f"resuming from {resumed.model_dir.parent} (step {run.step})")
     return run
@@ -186,16 +199,19 @@ def _engine(config: TrainConfig, policy: Any, spec: ModelSpec, tokenizer: Any, c
     )
 
 
-def _logprobs(model: Any, batch: Batch, config: TrainConfig) -> torch.Tensor:
-    """The batch's loss-token logprobs under ``model``, at the sampling temperature."""
-    return token_logprobs(
-        model,
+def _logprobs(run: Run, model: Any, batch: Batch) -> torch.Tensor:
+    """The batch's loss-token logprobs under ``model``, at the sampling temperature (the sharded
+    policy through its FSDP root)."""
+    config = run.config
+    forward = run.sharded if model is run.policy and run.sharded is not None else None
+    return (forward or functools.partial(token_logprobs, model))(
         batch.input_ids_B_T,
         batch.attention_mask_B_T,
         batch.loss_mask_B_T > 0,
         temperature=config.sampling.temperature or 1.0,
         chunk_size=config.train.logprob_chunk,
         multimodal=batch.multimodal,
+        autocast=torch.bfloat16 if config.train.precision == "bfloat16" else None,
     )
 
 
@@ -203,14 +219,24 @@ def _prepare(run: Run, batches: list[Batch]) -> dict[str, float]:
     """Fill in old (and reference) logprobs; the rollout importance-ratio stats."""
     algo = run.config.algorithm
     with torch.no_grad():
-        for batch in batches:
-            if algo.recompute_old_logprobs:
-                batch.old_logprobs_B_T = _logprobs(run.policy, batch, run.config)
-            if run.ref is not None:
-                batch.ref_logprobs_B_T = _logprobs(run.ref, batch, run.config)
+        for batch, real in _even(run, batches):
+            if algo.recompute_old_logprobs:  # FSDP's empty batches only join the sharded forward
+                batch.old_logprobs_B_T = _logprobs(run, run.policy, batch)
+            if run.ref is not None and real:
+                batch.ref_logprobs_B_T = _logprobs(run, run.ref, batch)
+    if not batches:  # under FSDP a rank with nothing to train joined the others' forward passes
+        return {}
     old = torch.cat([b.old_logprobs_B_T[b.loss_mask_B_T > 0] for b in batches])
     rollout = torch.cat([b.rollout_logprobs_B_T[b.loss_mask_B_T > 0] for b in batches])
     return importance_stats(old, rollout, torch.ones_like(rollout), algo.loss_options())
+
+
+def _even(run: Run, batches: list[Batch]) -> list[tuple[Batch, bool]]:
+    """The batches, each marked real; under FSDP, padded with empty ones to the most any rank has."""
+    if run.sharded is None:
+        return [(b, True) for b in batches]
+    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+    return pad_batches(batches, run.ranks, pad, run.policy.device)
 
 
 def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, float]:
@@ -227,9 +253,9 @@ def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, floa
     for _ in range(cfg.train.ppo_epochs):
         for mini in minis:
             run.optimizer.zero_grad(set_to_none=True)
-            for batch in mini:
+            for batch, real in _even(run, mini):
                 inputs = LossInputs(
-                    _logprobs(run.policy, batch, cfg),
+                    _logprobs(run, run.policy, batch),
                     batch.old_logprobs_B_T,
                     batch.rollout_logprobs_B_T,
                     batch.advantages_B_T,
@@ -237,15 +263,18 @@ def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, floa
                     batch.ref_logprobs_B_T,
                 )
                 result = policy_loss(algo.loss, inputs, algo.loss_options(), normalizer)
+                if not real:  # FSDP's empty batch: the collectives run, nothing is learned
+                    (result.loss * 0.0).backward()
+                    continue
                 result.loss.backward()
                 totals["loss"] += float(result.loss.detach())
                 totals["tokens"] += result.tokens
                 totals["clipped"] += result.clipped
                 totals["kl"] += result.kl_sum
             params = [p for p in run.policy.parameters() if p.requires_grad]
-            sum_gradients(params, run.ranks)
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-            totals["grad_norm"] += float(norm)
+            if run.sharded is None:  # FSDP reduce-scatters the gradients itself
+                sum_gradients(params, run.ranks)
+            totals["grad_norm"] += clip_gradients(params, cfg.optim.grad_clip)
             run.optimizer.step()
             run.scheduler.step()
             totals["steps"] += 1
@@ -301,7 +330,7 @@ async def learn(
         parts = micro_batches(samples, cfg.train.micro_batch_tokens)
         batches = [collate(part, pad).to(run.policy.device) for part in parts]
         metrics |= await asyncio.to_thread(_update, run, batches, tokens)
-    if run.ranks.distributed:
+    if run.ranks.distributed and run.sharded is None:  # under FSDP each weight lives on one rank
         metrics["dist/param_spread"] = param_spread(run.policy, run.ranks)
     t2 = time.perf_counter()
     await push_weights(run)
@@ -311,7 +340,8 @@ async def learn(
 
 
 def _update(run: Run, batches: list[Batch], tokens: int) -> dict[str, float]:
-    return (_prepare(run, batches) if batches else {}) | update_policy(run, batches, tokens)
+    prepared = _prepare(run, batches) if batches or run.sharded is not None else {}
+    return prepared | update_policy(run, batches, tokens)
 
 
 @dataclass
@@ -487,7 +517,9 @@ async def _start(run: Run) -> dict[str, float]:
     if cfg is None:
         return await evaluate(run, 0)
     record = {f"base/{k}": v for k, v in (await evaluate(run, 0, "base")).items()}
-    record |= await warm_start(run.policy, run.spec, run.config, run.progress)
+    # every rank replays the same demonstrations: FSDP sums their equal gradients, hence 1 / W
+    scale = 1.0 / run.ranks.world if run.sharded is not None else 1.0
+    record |= await warm_start(run.policy, run.spec, run.config, run.progress, run.sharded, scale)
     await push_weights(run)
     _save(run, 0)  # a resume never redoes the warm start
     return record | await evaluate(run, 0)
@@ -497,7 +529,8 @@ async def push_weights(run: Run) -> None:
     """Put the policy's weights into the engine: the embedded one takes a state dict (with LoRA: the
     adapted layers, merged); vLLM servers load a whole checkpoint, written once for all of them."""
     if isinstance(run.engine, HFEngine):
-        await run.engine.update_weights(serving_weights(run.policy), strict=not is_lora(run.policy))
+        weights = full_state_dict(run.policy) if run.sharded else serving_weights(run.policy)
+        await run.engine.update_weights(weights, strict=not is_lora(run.policy))
         return
     if run.weights_dir is None:
         chosen = getattr(run.config.engine, "weights_dir", None)
@@ -517,11 +550,23 @@ async def push_weights(run: Run) -> None:
 
 
 def _save(run: Run, step: int) -> None:
+    loop = run.config.train
+    weights = optimizer = None
+    if run.sharded is not None:  # every rank gathers the shards; rank 0 writes the whole
+        weights = full_state_dict(run.policy)
+        optimizer = full_optimizer_state(run.sharded, run.optimizer) if loop.save_optimizer else None
     if not run.ranks.main:  # every rank holds the same weights: rank 0 writes them
         return
     parts = (run.policy, run.tokenizer, run.optimizer, run.scheduler)
-    loop = run.config.train
-    save_checkpoint(run.out_dir, step, *parts, loop.keep_checkpoints, with_optimizer=loop.save_optimizer)
+    save_checkpoint(
+        run.out_dir,
+        step,
+        *parts,
+        loop.keep_checkpoints,
+        with_optimizer=loop.save_optimizer,
+        state_dict=weights,
+        optimizer_state=optimizer,
+    )
 
 
 def _due(step: int, every: int, last: int) -> bool:
