@@ -114,9 +114,9 @@ def test_frozen_head_gets_no_gradient_and_the_rest_still_matches(model: Any) -> 
 
 
 def test_bfloat16_autocast_is_close_to_float32_and_keeps_float32_weights_and_gradients(model: Any) -> None:
-    """``autocast=torch.bfloat16`` (``train.precision: bfloat16``): the body's products in
-    bfloat16, the parameters, their gradients and the returned logprobs float32; the values
-    within bfloat16's rounding of the float32 ones, the gradients pointing the same way."""
+    """``autocast=torch.bfloat16`` (``train.precision: bfloat16``): the body's and the head's
+    products in bfloat16, the parameters, their gradients and the returned logprobs float32; the
+    values within bfloat16's rounding of the float32 ones, the gradients pointing the same way."""
     ids, attention = inputs()
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1)) * attention
     full = token_logprobs(model, ids, attention)
@@ -129,6 +129,6 @@ def test_bfloat16_autocast_is_close_to_float32_and_keeps_float32_weights_and_gra
     real[:, 0] = False
     assert mixed.dtype == torch.float32 and all(g.dtype == torch.float32 for g in got.values())
     gap = float((mixed - full).detach()[real].abs().max())
-    assert 0 < gap < 0.15  # bfloat16 did run; measured: 0.08 nats at most, on logprobs near -12
+    assert 0 < gap < 0.25  # bfloat16 did run; measured: 0.11 nats at most, on logprobs near -14.6
     flat = lambda g: torch.cat([v.flatten() for v in g.values()])  # noqa: E731
     assert float(F.cosine_similarity(flat(got), flat(expected), dim=0)) > 0.99

@@ -27,13 +27,17 @@ def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
 def _logits(
     hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, bias_V: torch.Tensor | None, temperature: float
 ) -> torch.Tensor:
-    """``hidden @ W.T / T`` in float32 (float64 for a float64 model), a fresh tensor."""
-    logits_N_V = _at_least_float32(F.linear(hidden_N_H, weight_V_H, bias_V))
+    """``hidden @ W.T / T`` in float32 (float64 for a float64 model), a fresh tensor; the product
+    in ``W``'s dtype (a bfloat16 copy under mixed precision)."""
+    bias = bias_V.to(weight_V_H.dtype) if bias_V is not None else None
+    logits_N_V = _at_least_float32(F.linear(hidden_N_H.to(weight_V_H.dtype), weight_V_H, bias))
     return logits_N_V.div_(temperature) if temperature != 1.0 else logits_N_V
 
 
 class _ChunkLogprobs(torch.autograd.Function):
-    """``log_softmax(hidden @ W.T / T)[target]`` of one chunk; the backward recomputes the logits."""
+    """``log_softmax(hidden @ W.T / T)[target]`` of one chunk; the backward recomputes the logits.
+    With ``product_V_H`` (a detached low-precision copy of ``W``) the products run in its dtype;
+    the log-softmax, and the gradients handed back, stay in float32."""
 
     @staticmethod
     def forward(
@@ -43,28 +47,35 @@ class _ChunkLogprobs(torch.autograd.Function):
         bias_V: torch.Tensor | None,
         targets_N: torch.Tensor,
         temperature: float,
+        product_V_H: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        logits_N_V = _logits(hidden_N_H, weight_V_H, bias_V, temperature)
+        matrix = product_V_H if product_V_H is not None else weight_V_H
+        logits_N_V = _logits(hidden_N_H, matrix, bias_V, temperature)
         lse_N = torch.logsumexp(logits_N_V, -1)
         picked_N = logits_N_V.gather(-1, targets_N[:, None]).squeeze(-1)
-        ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N, lse_N)
+        ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N, lse_N, product_V_H)
         ctx.temperature = temperature
         return picked_N - lse_N
 
     @staticmethod
     def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """``d logp_n / d logit_nv = (onehot(target_n) - softmax_nv) / T``, built in one buffer."""
-        hidden_N_H, weight_V_H, bias_V, targets_N, lse_N = ctx.saved_tensors
+        hidden_N_H, weight_V_H, bias_V, targets_N, lse_N, product_V_H = ctx.saved_tensors
+        matrix = product_V_H if product_V_H is not None else weight_V_H
         grad_N = grad_N.to(lse_N.dtype)
-        grad_N_V = _logits(hidden_N_H, weight_V_H, bias_V, ctx.temperature).sub_(lse_N[:, None]).exp_()
+        grad_N_V = _logits(hidden_N_H, matrix, bias_V, ctx.temperature).sub_(lse_N[:, None]).exp_()
         grad_N_V.mul_(-grad_N[:, None]).scatter_add_(1, targets_N[:, None], grad_N[:, None])
         if ctx.temperature != 1.0:
             grad_N_V.div_(ctx.temperature)
-        grad_N_V = grad_N_V.to(weight_V_H.dtype)
-        grad_hidden = grad_N_V @ weight_V_H if ctx.needs_input_grad[0] else None
-        grad_weight = grad_N_V.T @ hidden_N_H if ctx.needs_input_grad[1] else None
-        grad_bias = grad_N_V.sum(0) if bias_V is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None
+        grad_N_V = grad_N_V.to(matrix.dtype)
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (grad_N_V @ matrix).to(hidden_N_H.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_N_V.T @ hidden_N_H.to(matrix.dtype)).to(weight_V_H.dtype)
+        if bias_V is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_N_V.sum(0).to(bias_V.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def _check_plain_head(model: PreTrainedModel) -> None:
@@ -92,8 +103,9 @@ def token_logprobs(
     of positions projected through ``lm_head`` at a time. ``multimodal`` holds a vision-language
     model's image inputs for the batch (``pixel_values``, ``image_grid_thw``: every row's images,
     in row order), as ``Trajectory.multimodal_inputs`` has them. ``autocast`` (``torch.bfloat16``)
-    runs the model body under autocast (mixed precision: float32 weights, bfloat16 products); the
-    vocabulary projection and its log-softmax stay in float32 either way.
+    runs the model body under autocast (mixed precision: float32 weights, bfloat16 products) and
+    the vocabulary projection's products on a bfloat16 copy of ``lm_head``; the log-softmax, the
+    returned logprobs and every gradient stay float32.
     """
     _check_plain_head(model)
     batch, length = input_ids_B_T.shape
@@ -106,19 +118,19 @@ def token_logprobs(
     device = input_ids_B_T.device.type
     with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         hidden_B_T_H = _hidden_states(model, input_ids_B_T, attention_mask_B_T, multimodal)
-    if autocast is not None:
-        hidden_B_T_H = hidden_B_T_H.to(model.get_output_embeddings().weight.dtype)
     hidden_N_H = hidden_B_T_H[:, :-1][want_B_S]
     targets_N = input_ids_B_T[:, 1:][want_B_S]
     head = model.get_output_embeddings()
     assert isinstance(head, torch.nn.Linear), "chunked logprobs need a linear lm_head"
+    product = head.weight.detach().to(autocast) if autocast is not None else None  # cast once
     pieces = []
     for start in range(0, targets_N.numel(), chunk_size):
         chunk = slice(start, start + chunk_size)
-        pieces.append(
-            _ChunkLogprobs.apply(hidden_N_H[chunk], head.weight, head.bias, targets_N[chunk], temperature)
+        piece = _ChunkLogprobs.apply(
+            hidden_N_H[chunk], head.weight, head.bias, targets_N[chunk], temperature, product
         )
-    dtype = torch.promote_types(hidden_N_H.dtype, torch.float32)
+        pieces.append(piece)
+    dtype = torch.promote_types(head.weight.dtype, torch.float32)
     logprobs_N = torch.cat(pieces) if pieces else hidden_N_H.new_zeros(0, dtype=dtype)
     logprobs_B_S = torch.zeros(batch, length - 1, dtype=dtype, device=input_ids_B_T.device)
     logprobs_B_S = logprobs_B_S.masked_scatter(want_B_S, logprobs_N)
