@@ -106,17 +106,23 @@ def config(tmp_path: Path, model: Path, algorithm: dict[str, Any]) -> TrainConfi
     )
 
 
-async def test_dynamic_sampling_refills_the_step_with_varied_groups(
-    tmp_path: Path, tiny_qwen3_dir: Path
-) -> None:
-    cfg = config(tmp_path, tiny_qwen3_dir, {"dynamic_sampling": {"max_rounds": 6}})
+async def one_step(cfg: TrainConfig, out: Path) -> tuple[dict[str, float], list[Trajectory]]:
+    """Step 1 of a run of ``cfg``: its metrics and every trajectory it rolled out (``out/run``)."""
     run = build_run(cfg, overwrite=False, resume=False, console=QUIET)
     try:
         metrics = await train_step(run, 1)
     finally:
         await run.engine.close()
-    lines = (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()
-    rolled = {trajectory_from_json(json.loads(line)).group_id for line in lines}
+    lines = (out / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()
+    return metrics, [trajectory_from_json(json.loads(line)) for line in lines]
+
+
+async def test_dynamic_sampling_refills_the_step_with_varied_groups(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    cfg = config(tmp_path, tiny_qwen3_dir, {"dynamic_sampling": {"max_rounds": 6}})
+    metrics, trajs = await one_step(cfg, tmp_path)
+    rolled = {t.group_id for t in trajs}
     flat = {g for g in rolled if g.startswith("flat")}
     assert flat and metrics["dynamic/flat_groups"] == len(flat)  # every flat group rolled was dropped
     assert metrics["dynamic/rounds"] >= 2 and len(rolled) > 3  # refilled with prompts not in the step
@@ -129,11 +135,7 @@ async def test_without_dynamic_sampling_flat_groups_stay_and_overlong_shapes_rew
     tmp_path: Path, tiny_qwen3_dir: Path
 ) -> None:
     algorithm = {"overlong": {"max_tokens": 4, "buffer": 2, "penalty": 0.5, "mask_truncated": True}}
-    run = build_run(config(tmp_path, tiny_qwen3_dir, algorithm), overwrite=False, resume=False, console=QUIET)
-    try:
-        metrics = await train_step(run, 1)
-    finally:
-        await run.engine.close()
+    metrics, _ = await one_step(config(tmp_path, tiny_qwen3_dir, algorithm), tmp_path)
     assert "dynamic/rounds" not in metrics and metrics["train/groups"] == 3
     # a random model runs to max_tokens (6): every trajectory is past 4 tokens, penalized, and cut
     assert metrics["overlong/penalized"] == 6 and metrics["overlong/penalty_mean"] == -0.5
@@ -171,14 +173,7 @@ async def test_oversampling_stops_the_slowest_groups_and_trains_on_complete_ones
     data = config(tmp_path, tiny_qwen3_dir, {}).model_dump()
     data["env"]["name"] = "test_slow_start"
     data["train"]["oversample_groups"] = 3
-    cfg = TrainConfig.model_validate(data)
-    run = build_run(cfg, overwrite=False, resume=False, console=QUIET)
-    try:
-        metrics = await train_step(run, 1)
-    finally:
-        await run.engine.close()
-    lines = (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()
-    rolled = [trajectory_from_json(json.loads(line)) for line in lines]
+    metrics, rolled = await one_step(TrainConfig.model_validate(data), tmp_path)
     assert sorted((t.group_id, t.sample_index) for t in rolled) == sorted(
         (row["id"], k) for row in SlowStartEnv.dataset() for k in range(2)
     )  # the step's 3 prompts and 3 more, each trajectory exactly once
