@@ -13,13 +13,16 @@ the overlapped run's staleness share and idle times.
 
 ``--curve`` runs the README demo whole instead (its 16 steps and held-out evaluations at steps
 0, 8 and 16), synchronous and then overlapped, and prints both learning curves with wall times.
+``--env-latency S`` makes every env step (the tool call) wait S seconds first, as a sandbox, a
+web call or a simulated user does: time in which a synchronous step's cores sit idle.
 
-    .venv/bin/python bench/overlap.py --curve
+    .venv/bin/python bench/overlap.py --curve [--env-latency 1.0]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import statistics
 import tempfile
@@ -29,14 +32,36 @@ from typing import Any
 
 from rich.console import Console
 
+from turnrl.envs.key_lookup import KeyLookupEnv
 from turnrl.train.config import load_train_config
 from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
+from turnrl.types import Sample, StepResult
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_key_lookup.yaml"
 
 
-def run(steps: int, overlap: bool, out: Path) -> dict[str, Any]:
+class SlowKeyLookupEnv(KeyLookupEnv):
+    """The demo's env, each step waiting ``latency_s`` first (a slow tool)."""
+
+    def __init__(self, sample: Sample, latency_s: float = 0.0) -> None:
+        super().__init__(sample)
+        self.latency_s = latency_s
+
+    async def step(self, action: str) -> StepResult:
+        """Wait, then step."""
+        await asyncio.sleep(self.latency_s)
+        return await super().step(action)
+
+
+def env_sets(latency: float) -> list[str]:
+    """The overrides that give the demo's env ``latency`` seconds a step (none for 0)."""
+    if not latency:
+        return []
+    return ["env.name=__main__:SlowKeyLookupEnv", f"env.kwargs={{latency_s: {latency}}}"]
+
+
+def run(steps: int, overlap: bool, out: Path, latency: float = 0.0) -> dict[str, Any]:
     sets = [
         f"train.steps={steps}",
         "train.save_every=0",
@@ -44,6 +69,7 @@ def run(steps: int, overlap: bool, out: Path) -> dict[str, Any]:
         "eval.every=0",
         "eval.data.limit=1",
         f"output_dir={out}",
+        *env_sets(latency),
     ]
     if overlap:
         sets += ["train.overlap=true", "algorithm.max_staleness=1"]
@@ -66,9 +92,9 @@ def run(steps: int, overlap: bool, out: Path) -> dict[str, Any]:
     }
 
 
-def curve(overlap: bool, out: Path) -> tuple[float, list[tuple[int, float]]]:
+def curve(overlap: bool, out: Path, latency: float) -> tuple[float, list[tuple[int, float]]]:
     """The whole README demo; its wall time and held-out reward at each evaluation."""
-    sets = [f"output_dir={out}", "train.plot=false", "train.save_every=0"]
+    sets = [f"output_dir={out}", "train.plot=false", "train.save_every=0", *env_sets(latency)]
     if overlap:
         sets += ["train.overlap=true", "algorithm.max_staleness=1"]
     t0 = time.perf_counter()
@@ -78,10 +104,10 @@ def curve(overlap: bool, out: Path) -> tuple[float, list[tuple[int, float]]]:
     return wall, [(r["step"], r["eval/reward/mean"]) for r in records if "eval/reward/mean" in r]
 
 
-def curves() -> None:
+def curves(latency: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overlap in (("synchronous", False), ("overlapped", True)):
-            wall, held_out = curve(overlap, Path(tmp) / name)
+            wall, held_out = curve(overlap, Path(tmp) / name, latency)
             shown = ", ".join(f"step {s}: {r:.3f}" for s, r in held_out)
             print(f"{name}: {wall / 60:.1f} min; held-out reward {shown}", flush=True)
 
@@ -91,15 +117,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--curve", action="store_true", help="the whole README demo, both learning curves")
+    parser.add_argument("--env-latency", type=float, default=0.0, help="seconds every env step waits")
     args = parser.parse_args()
     if args.curve:
-        curves()
+        curves(args.env_latency)
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
-            sync = run(args.steps, False, Path(tmp) / f"sync{k}")
-            over = run(args.steps, True, Path(tmp) / f"overlap{k}")
+            sync = run(args.steps, False, Path(tmp) / f"sync{k}", args.env_latency)
+            over = run(args.steps, True, Path(tmp) / f"overlap{k}", args.env_latency)
             rows.append((sync, over))
             print(
                 f"round {k + 1}: step {sync['step_s']:.1f} s sync, {over['step_s']:.1f} s overlapped "
