@@ -98,6 +98,9 @@ def pad_batches(
 ) -> list[tuple[Batch, bool]]:
     """``batches`` (each marked real) and as many empty ones on ``device`` (marked not) as this rank
     lacks of the largest count over the ranks: a sharded forward is a collective every rank joins."""
+    marked = [(b, True) for b in batches]
     missing = most_across(len(batches), ranks) - len(batches)
+    if not missing:
+        return marked
     empty = collate([TrainSample([pad_id, pad_id], [0, 1], [0.0, 0.0], [0.0, 0.0])], pad_id).to(device)
-    return [(b, True) for b in batches] + [(empty, False)] * missing
+    return marked + [(empty, False)] * missing

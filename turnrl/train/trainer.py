@@ -231,12 +231,17 @@ def _prepare(run: Run, batches: list[Batch]) -> dict[str, float]:
     return importance_stats(old, rollout, torch.ones_like(rollout), algo.loss_options())
 
 
+def _pad_id(run: Run) -> int:
+    """The id that pads the batches' rows (the tokenizer's pad token, else 0)."""
+    pad = run.tokenizer.pad_token_id
+    return int(pad) if pad is not None else 0
+
+
 def _even(run: Run, batches: list[Batch]) -> list[tuple[Batch, bool]]:
     """The batches, each marked real; under FSDP, padded with empty ones to the most any rank has."""
     if run.sharded is None:
         return [(b, True) for b in batches]
-    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
-    return pad_batches(batches, run.ranks, pad, run.policy.device)
+    return pad_batches(batches, run.ranks, _pad_id(run), run.policy.device)
 
 
 def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, float]:
@@ -326,9 +331,8 @@ async def learn(
     tokens, trained = int(everyone[0]), int(everyone[1])
     metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
     if trained:
-        pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
         parts = micro_batches(samples, cfg.train.micro_batch_tokens)
-        batches = [collate(part, pad).to(run.policy.device) for part in parts]
+        batches = [collate(part, _pad_id(run)).to(run.policy.device) for part in parts]
         metrics |= await asyncio.to_thread(_update, run, batches, tokens)
     if run.ranks.distributed and run.sharded is None:  # under FSDP each weight lives on one rank
         metrics["dist/param_spread"] = param_spread(run.policy, run.ranks)
