@@ -59,7 +59,7 @@ def test_rollout_writes_trajectories_and_summary(tmp_path: Path, tiny_qwen3_dir:
     [
         ({"limits": {"max_turn": 3}}, "unknown config key 'limits.max_turn'"),
         ({"model": "/no/such/model"}, "/no/such/model"),
-        ({"env": {"name": "no_such_module:Env"}}, "env 'no_such_module:Env' could not be imported"),
+        ({"env": {"name": "no_such_module:Env"}}, "'no_such_module:Env': no module named 'no_such_module'"),
         ({"data": {"path": "rows.jsonl"}}, "data row 1 of rows.jsonl has no 'prompt'"),
         ({"sampling": {"temperature": -1}}, "config key 'sampling.temperature'"),
     ],

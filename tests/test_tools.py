@@ -316,7 +316,7 @@ def test_load_tools_config_accepts_a_dict() -> None:
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ({"class_name": "no_such_pkg.mod.Tool"}, "tool class 'no_such_pkg.mod.Tool' could not be imported"),
+        ({"class_name": "no_such_pkg.mod.Tool"}, "'no_such_pkg.mod.Tool': no module named 'no_such_pkg'"),
         ({"class_name": "turnrl.tools.builtin.Missing"}, "module 'turnrl.tools.builtin' has no 'Missing'"),
         ({"class_name": "Tool"}, "is not of the form module:name"),
         ({"config": {}}, "tools[0] needs a 'class_name'"),

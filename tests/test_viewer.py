@@ -467,10 +467,17 @@ def test_viewer_in_chromium(run_dir: Path, qwen3_tokenizer: Any, browser: Chromi
     calls = browser.js("[...document.querySelectorAll('.call')].map((e) => e.innerText)")
     assert len(calls) == 2 and "calculator" in calls[0] and "17*23" in calls[0] and "391" in calls[0]
     assert browser.count(".tool-result") == 2 and not browser.count("#check.bad")
+    # each model turn's step info (the tool's metrics) is there to open
+    with_info = [turn for turn in calc["turns"] if turn["role"] == "assistant" and turn["info"]]
+    assert browser.count("#detail .step-info") == len(with_info) == 2
+    assert "num_tool_calls" in browser.js("document.querySelector('.step-info pre').textContent")
     browser.screenshot(shot_path(tmp_path, "viewer-tools.png"))
     # the image prompt is drawn inline, the check diff of a mismatching trajectory is shown
     browser.click('.traj-row[data-id="story-0/0"]')
     assert browser.count("#detail .prompt img") == 1 and "</b>" in browser.text("#detail .prompt")
+    # the env's last answer came with done=True and was dropped: the page says so on that turn
+    assert browser.count("#detail .final-dropped") == 1
+    assert browser.text("#detail .final-dropped") == "final observation dropped"
     browser.click('.traj-row[data-id="story-1/0"]')
     assert browser.count("#check.bad .diff") == 1
     assert "Edited afterwards" in browser.text("#check .diff") and "text" in browser.text("#check")

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from turnrl.imports import add_search_path
 from turnrl.rollout.limits import Limits
 from turnrl.types import SamplingParams
 
@@ -207,6 +208,19 @@ class VLLMEngineConfig(_ClientConfig):
         return self
 
 
+class ScriptedEngineConfig(Strict):
+    """No model: an env author's policy function plays, to drive an env from the CLI before any
+    model can. It is called per turn as ``policy(messages, images, sample)`` and returns the
+    turn's text (or a ``ScriptedReply``); the text is tokenized with the run's model tokenizer."""
+
+    kind: Literal["scripted"]
+    """scripted: a policy function instead of a model."""
+    policy: str
+    """"module:function" (sync or async) returning the model turn's text."""
+    logprob: float = Field(-0.5, le=0)
+    """The logprob recorded for every scripted token."""
+
+
 def _engine_kind(value: Any) -> str:
     if isinstance(value, dict):
         return str(value.get("kind", "hf"))
@@ -217,13 +231,15 @@ EngineConfig = Annotated[
     Annotated[HFEngineConfig, Tag("hf")]
     | Annotated[OpenAIEngineConfig, Tag("openai")]
     | Annotated[SGLangEngineConfig, Tag("sglang")]
-    | Annotated[VLLMEngineConfig, Tag("vllm")],
+    | Annotated[VLLMEngineConfig, Tag("vllm")]
+    | Annotated[ScriptedEngineConfig, Tag("scripted")],
     Discriminator(_engine_kind),
 ]
 """The engine section: ``kind`` picks the class, and so which keys are allowed."""
 
 AnyEngineConfig = HFEngineConfig | OpenAIEngineConfig | SGLangEngineConfig | VLLMEngineConfig
-ENGINE_KINDS = ("hf", "openai", "sglang", "vllm")
+"""The engines that run a model (every kind but scripted)."""
+ENGINE_KINDS = ("hf", "openai", "sglang", "vllm", "scripted")
 
 
 # ---- the other parts -----------------------------------------------------------------------
@@ -242,6 +258,15 @@ class ChatConfig(Strict):
     Turn.context_ids; algorithm.samples: inference trains on them (and turns this on)."""
 
 
+class EnvRoute(Strict):
+    """One more env that data rows may name (``env: KEY`` in a row)."""
+
+    name: str
+    """A registered env or "module:Class"."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to its constructor after the sample."""
+
+
 class EnvConfig(Strict):
     """The environment: a registered name or ``module:Class``, and its constructor kwargs."""
 
@@ -249,15 +274,21 @@ class EnvConfig(Strict):
     """A registered env (guess_number, math_tools...) or "module:Class"."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed to the env's constructor after the sample."""
+    routes: dict[str, EnvRoute] = Field(default_factory=dict)
+    """Per-row envs: a row with ``env: KEY`` plays in routes[KEY] (a row may also name an env
+    directly, built without kwargs); rows without ``env`` play in ``name``."""
     ray: RayEnvConfig = Field(default_factory=RayEnvConfig)
     """Env workers on Ray; off: in-process."""
 
 
 class DataConfig(Strict):
-    """Where samples come from: a JSONL/JSON file, or a generator (registered env data or module:fn)."""
+    """Where samples come from: a file or dataset folder, or a generator (env data or module:fn)."""
 
     path: str | None = None
-    """JSONL or JSON list of rows with at least a "prompt"."""
+    """Rows with at least a "prompt": JSONL, a JSON list, Parquet, or a Hugging Face dataset saved
+    with save_to_disk (a folder)."""
+    split: str = "train"
+    """The split of a saved DatasetDict."""
     generator: str | None = None
     """"module:function" returning rows; default: the env's own data."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -392,8 +423,11 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
 
 
 def load_model_config(path: str | Path, model: type[M], overrides: list[str] | None = None) -> M:
-    """Read a YAML config, apply ``--set`` overrides, validate it as ``model``."""
-    return validate(model, apply_overrides(read_yaml_mapping(path), overrides or []))
+    """Read a YAML config, apply ``--set`` overrides, validate it as ``model``. The config's folder
+    and the working directory become importable, for its ``module:Class`` paths."""
+    data = read_yaml_mapping(path)
+    add_search_path(Path(path).parent, Path.cwd())
+    return validate(model, apply_overrides(data, overrides or []))
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

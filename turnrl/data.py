@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from turnrl.types import Message, Sample
 
-KNOWN = {"id", "prompt", "data_source", "tools", "tools_kwargs", "metadata", "system"}
+KNOWN = {"id", "prompt", "data_source", "tools", "tools_kwargs", "metadata", "system", "env"}
 
 
 class DataError(ValueError):
@@ -48,14 +48,20 @@ def sample_from_row(row: dict[str, Any], index: int, source: str = "data") -> Sa
         tools=row.get("tools"),
         tools_kwargs=dict(tools_kwargs or {}),
         metadata=metadata,
+        env=None if row.get("env") is None else str(row["env"]),
     )
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file or a JSON list."""
+def read_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
+    """Rows of a JSONL file, a JSON list, a Parquet file, or a saved Hugging Face dataset (a folder;
+    ``split`` of a DatasetDict)."""
     path = Path(path)
+    if path.is_dir():
+        return _dataset_rows(path, split)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
+    if path.suffix == ".parquet":
+        return _parquet_rows(path)
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
         rows = json.loads(text)
@@ -85,3 +91,34 @@ def to_samples(rows: Iterable[dict[str, Any]], source: str, limit: int | None = 
     if len(set(ids)) != len(ids):
         raise DataError(f"{source} has duplicate sample ids")
     return samples
+
+
+def _parquet_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a Parquet file (verl's data format), nested columns as dicts and lists."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path} needs pyarrow: pip install 'turnrl[data]'") from None
+    try:
+        return list(pq.read_table(path).to_pylist())
+    except Exception as exc:
+        raise DataError(f"data file {path} is not readable Parquet: {exc}") from None
+
+
+def _dataset_rows(path: Path, split: str) -> list[dict[str, Any]]:
+    """The rows of a dataset saved with ``save_to_disk`` (a Dataset, or ``split`` of a DatasetDict)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"reading the dataset folder {path} needs datasets: pip install 'turnrl[data]'"
+        ) from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as exc:
+        raise DataError(f"{path} is not a saved Hugging Face dataset: {exc}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"dataset {path} has no split {split!r} (splits: {', '.join(loaded)})")
+        loaded = loaded[split]
+    return [dict(row) for row in loaded]

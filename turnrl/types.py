@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import (
@@ -31,7 +32,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 if TYPE_CHECKING:
     import torch
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the trajectory record written to ``trajectories.jsonl`` (bumped on any field change)."""
 
 
@@ -80,6 +81,7 @@ class Sample:
     tools_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per tool: create/execute kwargs
     metadata: dict[str, Any] = field(default_factory=dict)  # anything else of the row (ground truth...)
     seed: int | None = None  # the env's seed for this trajectory (set by the rollout per trajectory)
+    env: str | None = None  # the env this row plays in: a key of env.routes or an env name (None: the run's)
 
 
 @dataclass
@@ -97,6 +99,7 @@ class Turn:
     # model turns, with inference contexts on: the context a chat server would have given this turn
     # (a fresh render of the conversation so far) where it differs from the exact prefix
     context_ids: list[int] | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # model turns: the env step's info (JSON values)
 
 
 @dataclass
@@ -147,7 +150,8 @@ class StepResult:
     observation: Observation  # what the model sees next (ignored when done)
     reward: float = 0.0  # reward for this action
     done: bool = False  # the episode is over
-    info: dict[str, Any] = field(default_factory=dict)  # free-form; numbers are summed into the trajectory
+    # free-form; kept on the turn it answers (Turn.info) and its numbers summed into Trajectory.info
+    info: dict[str, Any] = field(default_factory=dict)
     stop_reason: StopReason | None = None  # why it is over, when done (default: env_done)
     train_turn: bool = True  # False: the model turn this step answers is context, not trained on
 
@@ -200,6 +204,22 @@ class Generation:
 
 class EngineError(RuntimeError):
     """The engine failed for a request and retrying will not help."""
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """The conversation behind the token ids an engine is asked to continue, for engines that
+    play by messages instead of tokens (a scripted policy). Set by the rollout for each generation
+    in ``CURRENT_TURN`` (per asyncio task, so per trajectory); token engines ignore it."""
+
+    sample: Sample  # the trajectory's sample (its metadata: the answer a scripted policy may use)
+    sample_index: int  # index in the group
+    messages: Sequence[Message]  # the conversation so far (live: read it during the call)
+    images: Sequence[Any]  # the images so far, in order of appearance
+
+
+CURRENT_TURN: ContextVar[TurnContext | None] = ContextVar("turnrl_current_turn", default=None)
+"""The turn being generated in this task, or None outside a rollout."""
 
 
 @runtime_checkable

@@ -16,9 +16,11 @@ from turnrl.config import (
     OpenAIEngineConfig,
     RayEngineConfig,
     RunSections,
+    ScriptedEngineConfig,
     SGLangEngineConfig,
     VLLMEngineConfig,
 )
+from turnrl.imports import import_object
 from turnrl.models import (
     load_model,
     load_tokenizer,
@@ -52,9 +54,21 @@ def build_engine(
     Servers turnrl starts (``kind: vllm`` without ``urls``) log into ``log_dir``; ``say`` gets a
     progress line while they start.
     """
-    if config.engine.ray.enabled:
-        return ray_engine(config.model, config.engine)
-    return local_engine(config.model, config.engine, log_dir=log_dir, say=say, seed=config.seed)
+    e = config.engine
+    if isinstance(e, ScriptedEngineConfig):
+        return scripted_engine(config.model, e)
+    if e.ray.enabled:
+        return ray_engine(config.model, e)
+    return local_engine(config.model, e, log_dir=log_dir, say=say, seed=config.seed)
+
+
+def scripted_engine(model: str, e: ScriptedEngineConfig) -> tuple[Engine, Any]:
+    """The policy function of ``engine.policy`` playing in place of a model, with the model's tokenizer."""
+    from turnrl.engines.scripted import ScriptedEngine, policy_replies
+
+    tokenizer = load_tokenizer(model)
+    policy = import_object(e.policy, "engine.policy")
+    return ScriptedEngine(tokenizer, policy_replies(policy), logprob=e.logprob), tokenizer
 
 
 def local_engine(

@@ -8,7 +8,7 @@ from typing import Any
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import DataConfig, EnvConfig, RunSections
 from turnrl.data import read_rows, to_samples
-from turnrl.env.base import EnvFactory
+from turnrl.env.base import Env, EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.imports import import_object
 from turnrl.models import load_vision_processor, vocab_size
@@ -24,7 +24,7 @@ class RunError(ValueError):
 def load_samples(data: DataConfig, entry: EnvEntry) -> list[Sample]:
     """Samples from a file, a generator, or the env's own data."""
     if data.path:
-        return to_samples(read_rows(data.path), data.path, data.limit)
+        return to_samples(read_rows(data.path, data.split), data.path, data.limit)
     if data.generator:
         rows = import_object(data.generator, "data generator")(**data.kwargs)
         return to_samples(rows, data.generator, data.limit)
@@ -34,16 +34,36 @@ def load_samples(data: DataConfig, entry: EnvEntry) -> list[Sample]:
 
 
 def build_env_factory(env: EnvConfig, entry: EnvEntry | None = None) -> EnvFactory:
-    """The env factory: in-process, or each env built and run in a Ray worker actor."""
+    """The env factory: in-process (routed by each row's ``env``), or each env built and run in a
+    Ray worker actor."""
     entry = entry or resolve_env(env.name)
     factory = entry.bind(env.kwargs)  # checks the kwargs here, before any worker starts
     if not env.ray.enabled:
-        return factory
+        return EnvRouter(factory, {key: resolve_env(r.name).bind(r.kwargs) for key, r in env.routes.items()})
+    if env.routes:
+        raise RunError("env.routes runs envs in this process: set env.ray.enabled false")
     try:
         from turnrl.distributed import ray_env_factory
     except ImportError as exc:
         raise RunError(f"env.ray.enabled needs ray: pip install 'turnrl[ray]' ({exc})") from None
     return ray_env_factory(entry.factory, env.kwargs, env.ray)
+
+
+class EnvRouter:
+    """Builds each row's env: the run's own, a route of ``env.routes``, or an env the row names
+    (resolved once, then kept)."""
+
+    def __init__(self, default: EnvFactory, routes: dict[str, EnvFactory]) -> None:
+        self.default = default
+        self.routes = dict(routes)
+
+    def __call__(self, sample: Sample) -> Env:
+        if sample.env is None:
+            return self.default(sample)
+        factory = self.routes.get(sample.env)
+        if factory is None:  # a row naming an env itself: unknown names fail this trajectory only
+            factory = self.routes[sample.env] = resolve_env(sample.env).bind({})
+        return factory(sample)
 
 
 def build_rewards(config: RunSections) -> Rewards:

@@ -26,9 +26,11 @@ from typing import Any
 from turnrl.app.engines import EngineBuild
 from turnrl.config import (
     AnyEngineConfig,
+    ConfigError,
     HFEngineConfig,
     OpenAIEngineConfig,
     RayEngineConfig,
+    ScriptedEngineConfig,
     SGLangEngineConfig,
     load_config,
 )
@@ -61,6 +63,8 @@ def _settings(args: argparse.Namespace) -> tuple[str | None, AnyEngineConfig, Ra
     servers: list[Server] = []
     if args.config:
         config = load_config(args.config, args.set)
+        if isinstance(config.engine, ScriptedEngineConfig):
+            raise ConfigError("turnrl serve hosts model engines: engine.kind scripted has no model to serve")
         model, engine = config.model, config.engine
         if isinstance(engine, OpenAIEngineConfig):
             same = {"kind": "openai", "dialect": engine.dialect, "served_model": engine.served_model}

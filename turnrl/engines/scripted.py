@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from turnrl.types import EngineError, FinishReason, Generation, SamplingParams
+from turnrl.types import CURRENT_TURN, EngineError, FinishReason, Generation, Message, Sample, SamplingParams
 
 
 class Tokenizer(Protocol):
@@ -149,6 +149,31 @@ class ScriptedEngine:
             return [int(t) for t in reply.token_ids]
         assert reply.text is not None
         return list(self._tokenizer.encode(reply.text, add_special_tokens=False))
+
+
+Policy = Callable[[list[Message], list[Any], Sample], Any]
+"""An env author's player: ``policy(messages, images, sample)`` returns the turn's text, token ids
+or a ScriptedReply (may be async)."""
+
+
+def policy_replies(policy: Policy) -> ReplyFn:
+    """A script that asks ``policy`` for each turn, given the conversation the rollout holds."""
+
+    async def reply(prompt: list[int], sampling: SamplingParams) -> Reply:
+        turn = CURRENT_TURN.get()
+        if turn is None:
+            raise EngineError("a scripted policy plays inside a rollout: no turn is being generated")
+        images = [getattr(image, "image", image) for image in turn.images]
+        out = policy(list(turn.messages), images, turn.sample)
+        if inspect.isawaitable(out):
+            out = await out
+        if not isinstance(out, str | ScriptedReply | list | tuple):
+            name = getattr(policy, "__name__", "policy")
+            got = type(out).__name__
+            raise EngineError(f"scripted policy {name} returned {got}, expected the turn's text")
+        return out
+
+    return reply
 
 
 def _as_scripted(reply: str | Sequence[int] | ScriptedReply) -> ScriptedReply:

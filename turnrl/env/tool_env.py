@@ -31,7 +31,8 @@ class ToolEnv(Env):
     """Runs the tool calls of each model turn; a turn without any call ends the episode.
 
     Tools follow verl's lifecycle: ``create`` once per trajectory in ``reset``, ``execute`` per call,
-    ``calc_reward`` in ``score`` (when a tool implements it), ``release`` in ``close``. Per tool,
+    ``calc_reward`` in ``score`` (when a tool implements it), ``release`` in ``close``. A call whose
+    ``ToolOutput`` says ``done`` ends the episode (``env_done``) after the turn's calls. Per tool,
     ``sample.tools_kwargs[name]`` may hold ``create_kwargs``, ``execute_kwargs``, ``calc_reward_kwargs``
     and ``release_kwargs``. Errors of a call (unknown tool, bad arguments, exception, timeout) and
     malformed calls become ``Error: ...`` tool messages for the model, never exceptions.
@@ -97,7 +98,9 @@ class ToolEnv(Env):
             "parse_errors": list(parsed.errors),
             "tool_metrics": [r.output.metrics for r in results],
         }
-        return StepResult(observation=messages, reward=sum(r.output.reward for r in results), info=info)
+        done = any(r.output.done for r in results)  # a call that ends the episode (a solved puzzle)
+        reward = sum(r.output.reward for r in results)
+        return StepResult(observation=messages, reward=reward, done=done, info=info)
 
     def format_observation(self, observation: Any) -> list[Message]:
         """The tool messages of the turn, as they are."""

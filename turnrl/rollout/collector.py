@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -134,11 +135,15 @@ async def collect(
     on_done: OnDone | None = None,
     skip: Done | None = None,
     target_groups: int | None = None,
+    seed: int | None = None,
 ) -> list[Trajectory]:
     """Run everything; write each trajectory to ``out_path`` (JSONL) the moment it finishes.
 
-    ``target_groups`` over-samples: see ``iter_trajectories``.
+    ``target_groups`` over-samples: see ``iter_trajectories``. ``seed`` makes the run reproducible:
+    every request's sampling seed and every env's seed derive from it (None: ``spec.sampling.seed``).
     """
+    if seed is not None:
+        spec = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, seed=seed))
     writer = JsonlWriter(out_path) if out_path else None
     done: list[Trajectory] = []
     try:

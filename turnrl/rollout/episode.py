@@ -95,7 +95,7 @@ class Episode:
             },
             sample_index=self.index,
             error=self.error,
-            info=self.info,
+            info={"num_tool_calls": 0, **self.info},  # present on every trajectory, tools or not
             policy_versions=rec.policy_versions,
             images=[image.image for image in rec.images],
             multimodal_inputs=rec.multimodal.merge(),

@@ -24,3 +24,6 @@ class Limits:
     """One env step (or reset) longer than this is a failure (None: no timeout)."""
     max_observation_chars: Annotated[int | None, Field(ge=64)] = 200_000
     """An observation text longer than this keeps its start and end, the cut said between (None: no cap)."""
+    final_observation: bool = False
+    """Append the observation a step returns with done=True (env tokens, mask 0); off: it is dropped,
+    and the last model turn's info says so (final_observation: dropped)."""

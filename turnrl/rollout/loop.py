@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from turnrl.rollout.episode import Episode, describe
 from turnrl.rollout.limits import Limits
 from turnrl.rollout.record import ResponseRecord
 from turnrl.types import (
+    CURRENT_TURN,
     Engine,
     Generation,
     Message,
@@ -30,6 +32,7 @@ from turnrl.types import (
     StopReason,
     Trajectory,
     Turn,
+    TurnContext,
 )
 from turnrl.vision.processor import ImageInput
 
@@ -179,8 +182,10 @@ async def _episode(ep: Episode, env: Env, spec: RolloutSpec) -> Trajectory:
         result = await _env_step(ep, env, spec, turn)
         if result is None:
             break
-        # 5. Stop when the env is done or the model has used its turns.
+        # 5. Stop when the env is done (its last observation appended only if limits say so)
+        #    or the model has used its turns.
         if result.done:
+            _final_observation(ep, env, spec, conv, result, turn)
             ep.end(result.stop_reason or StopReason.ENV_DONE)
         elif ep.record.num_model_turns >= spec.limits.max_turns:
             ep.end(StopReason.MAX_TURNS)
@@ -274,6 +279,9 @@ async def _env_step(ep: Episode, env: Env, spec: RolloutSpec, turn: Turn) -> Ste
     turn.reward, turn.env_retries = float(result.reward), retries
     ep.turn_rewards.append(float(result.reward))
     ep.merge_info(result.info)
+    turn.info = _jsonable(result.info)
+    if result.done and result.observation is not None and not spec.limits.final_observation:
+        turn.info["final_observation"] = "dropped"  # said before the turn is reported
     ep.record.messages.append(_assistant_message(turn.text, result))
     if not result.train_turn:  # the env's own loss mask: this turn is context
         span = turn.end - turn.start
@@ -284,10 +292,38 @@ async def _env_step(ep: Episode, env: Env, spec: RolloutSpec, turn: Turn) -> Ste
     return result
 
 
-def _observe(
-    ep: Episode, env: Env, spec: RolloutSpec, conv: ConversationEncoder, result: StepResult, retries: int
+def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
+    """A step's info as JSON values (what JSON cannot hold, like an image, as its text)."""
+    if not info:
+        return {}
+    try:
+        return json.loads(json.dumps(info, default=str))
+    except (TypeError, ValueError):  # keys JSON cannot hold, or circular data: kept as text
+        return {str(k): repr(v) for k, v in info.items()}
+
+
+def _final_observation(
+    ep: Episode, env: Env, spec: RolloutSpec, conv: ConversationEncoder, result: StepResult, turn: Turn
 ) -> None:
-    """Append the observation's delta tokens, or end the episode (bad observation, no budget)."""
+    """The observation returned with done=True: appended (masked) when limits ask for it and it
+    fits, else dropped, said in the turn's info."""
+    if result.observation is None or not spec.limits.final_observation:
+        return
+    if not _observe(ep, env, spec, conv, result, turn.env_retries, final=True):
+        turn.info["final_observation"] = "dropped: over the token budget"
+
+
+def _observe(
+    ep: Episode,
+    env: Env,
+    spec: RolloutSpec,
+    conv: ConversationEncoder,
+    result: StepResult,
+    retries: int,
+    final: bool = False,
+) -> bool:
+    """Append the observation's delta tokens, or end the episode (bad observation, no budget);
+    whether it was appended. A ``final`` one that does not fit is left out and ends nothing."""
     t0 = time.perf_counter()
     try:
         messages = env.format_observation(result.observation)
@@ -296,14 +332,17 @@ def _observe(
         obs = conv.observation(messages, ep.last_token_text)
     except Exception as exc:  # a bad observation ends this trajectory, not the run
         ep.end(StopReason.ENV_ERROR, f"observation: {describe(exc)}")
-        return
+        return False
     seconds = ep.clock("time/encode", t0)
-    if _budget(ep.record, spec.limits) - len(obs.ids) <= 0:
-        ep.end(StopReason.TOKEN_BUDGET)
-        return
+    room = _budget(ep.record, spec.limits) - len(obs.ids)
+    if room < 0 or (room == 0 and not final):  # a final one may fill the context: nothing follows
+        if not final:
+            ep.end(StopReason.TOKEN_BUDGET)
+        return False
     ep.record.add_env(obs, conv.template.decode(obs.ids), seconds, retries)
     _notify(spec, ep)
     ep.last_token_text = None
+    return True
 
 
 async def _finish(ep: Episode, env: Env, conv: ConversationEncoder, spec: RolloutSpec) -> Trajectory:
@@ -334,6 +373,7 @@ async def _generate(
     seed = request_seed(spec.sampling.seed, sample, index, record.num_model_turns)
     sampling = spec.sampling.for_request(max_tokens, seed)
     session = f"{sample.id}/{index}"
+    CURRENT_TURN.set(TurnContext(sample, index, record.messages, record.images))
     gen = await spec.engine.generate(record.sequence, sampling, record.images, session=session)
     while gen.finish_reason == "abort" and control is not None and not control.stopped and control.paused:
         await control.wait_running()

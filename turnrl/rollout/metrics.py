@@ -103,5 +103,6 @@ def turn_record(group_id: str, sample_index: int, index: int, turn: Any) -> dict
         "reward": turn.reward,
         "env_retries": turn.env_retries,
         "timings": turn.timings,
+        "info": turn.info,
         "text": turn.text,
     }

@@ -40,6 +40,7 @@ class ToolOutput:
     reward: float = 0.0  # step reward for this call
     metrics: dict[str, Any] = field(default_factory=dict)  # free-form numbers for logging
     images: list[Any] = field(default_factory=list)  # images the model sees before the text (VLMs)
+    done: bool = False  # the call ends the episode (a solved puzzle): stop reason env_done
 
 
 ExecuteResult = ToolOutput | str | tuple[Any, ...]

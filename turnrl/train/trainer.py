@@ -37,7 +37,7 @@ from transformers.utils import logging as hf_logging
 from turnrl.app.engines import hf_engine_options, local_engine
 from turnrl.app.parts import build_env_factory, build_spec, load_samples
 from turnrl.app.run import SERVERS
-from turnrl.config import HFEngineConfig
+from turnrl.config import HFEngineConfig, ScriptedEngineConfig
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.vllm import save_weights, scratch_weights_dir
 from turnrl.env.registry import resolve_env
@@ -188,6 +188,8 @@ def _engine(config: TrainConfig, policy: Any, spec: ModelSpec, tokenizer: Any, c
     """The rollout engine for the plain (not yet LoRA-wrapped) policy: the embedded one on a copy of
     it, or vLLM servers started here, logging into ``OUT/servers/``."""
     e = config.engine
+    if isinstance(e, ScriptedEngineConfig):  # refused by TrainConfig; here for the type checker
+        raise TypeError("turnrl train needs a model engine")
     if not isinstance(e, HFEngineConfig):
         with console.status(f"starting vLLM for {config.model}") as status:
             log_dir = Path(config.output_dir) / SERVERS

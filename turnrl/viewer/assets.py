@@ -535,6 +535,11 @@ function turnHead(t, turn, index, number) {
   if (turn.env_retries) {
     chips.push(h("span", { class: "badge warn", text: turn.env_retries + " env retries" }));
   }
+  const final = (turn.info || {}).final_observation;
+  if (final) {  // the env's answer that came with done=True was not appended (limits.final_observation)
+    chips.push(h("span", { class: "badge warn final-dropped", text: "final observation " + final,
+      title: "the env ended the episode with an observation that is not in the sequence" }));
+  }
   for (const [k, v] of Object.entries(turn.timings || {})) {
     chips.push(h("span", { class: "badge", text: k + " " + (v * 1000).toFixed(1) + " ms" }));
   }
@@ -548,7 +553,16 @@ function renderTurn(t, turn, index, number) {
   return h("div", { class: "turn " + (model ? "model" : "env"), "data-index": String(index) },
     turnHead(t, turn, index, number),
     h("div", { class: "turn-body" }, TOKENS ? turnTokens(t, turn) : turnSegment(t, turn)),
-    model ? renderCalls(t, index) : null, images);
+    model ? renderCalls(t, index) : null, model ? stepInfo(turn) : null, images);
+}
+
+function stepInfo(turn) {
+  const hidden = ["tool_calls", "final_observation"];  // drawn as calls and as a badge
+  const shown = Object.entries(turn.info || {}).filter(([k]) => !hidden.includes(k));
+  if (!shown.length) return null;
+  const body = h("pre", { text: JSON.stringify(Object.fromEntries(shown), null, 1) });
+  const title = h("summary", { text: "step info (" + shown.length + ")" });
+  return h("details", { class: "step-info" }, title, body);
 }
 
 function legend() {
