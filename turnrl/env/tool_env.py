@@ -12,7 +12,7 @@ from typing import Any
 
 from turnrl.env.base import Env
 from turnrl.env.caps import cap_text
-from turnrl.tools.base import BaseTool, ToolArgumentError, ToolCall, ToolOutput, as_tool_output
+from turnrl.tools.base import BaseTool, ToolCall, ToolError, ToolOutput, as_tool_output
 from turnrl.tools.parsers import ToolParser, get_parser
 from turnrl.types import Message, Sample, StepResult, StopReason, Trajectory
 
@@ -142,7 +142,7 @@ class ToolEnv(Env):
             async with semaphore, timeout:
                 raw = await tool.execute(self.instance_id, call.arguments, **kwargs)
             return _CallResult(as_tool_output(raw))
-        except ToolArgumentError as e:
+        except ToolError as e:  # bad arguments, or a failure the tool explains itself
             return _error(f"Error: {e}")
         except Exception as e:
             if isinstance(e, TimeoutError) and timeout.expired():

@@ -47,7 +47,11 @@ ExecuteResult = ToolOutput | str | tuple[Any, ...]
 """What ``execute`` may return; ``as_tool_output`` turns it into a ToolOutput."""
 
 
-class ToolArgumentError(ValueError):
+class ToolError(Exception):
+    """A tool's own failure, said to the model as ``Error: <message>`` and counted as a tool error."""
+
+
+class ToolArgumentError(ToolError, ValueError):
     """The model called a tool with missing, unknown or ill-typed arguments."""
 
 

@@ -8,6 +8,11 @@
         tool_schema:                         # optional for functions (derived from the signature)
           type: function
           function: {name: my_tool, description: ..., parameters: {...}}
+      - mcp:                                 # the tools of MCP servers (turnrl.tools.mcp)
+          servers_file: mcp_servers.json     # {"mcpServers": {...}} (verl: mcp_servers_config_path)
+          servers: {calc: {command: python, args: [calc_server.py]}}   # or inline; {url: ...} for HTTP
+          tools: [add, search]               # optional selection (verl: tool_selected_list)
+          prefix: false                      # name tools server__tool
 """
 
 from __future__ import annotations
@@ -34,9 +39,38 @@ def load_tools_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> lis
     entries = data.get("tools") if isinstance(data, Mapping) else None
     if not isinstance(entries, list):
         raise ToolConfigError("tool config needs a 'tools' list")
-    tools = [_build_tool(entry, i) for i, entry in enumerate(entries)]
+    folder = Path.cwd() if isinstance(source, Mapping) else Path(source).parent
+    tools: list[BaseTool] = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, Mapping) and "mcp" in entry:
+            tools += _mcp_tools(entry["mcp"], i, folder)
+        else:
+            tools.append(_build_tool(entry, i))
     _check_unique([t.name for t in tools])
     return tools
+
+
+def _mcp_tools(block: Any, index: int, folder: Path) -> list[BaseTool]:
+    """The tools of an entry's MCP servers (connected now: their schemas are needed up front)."""
+    from turnrl.tools.mcp import MCPError, mcp_tools, read_servers
+
+    if not isinstance(block, Mapping):
+        raise ToolConfigError(f"tools[{index}].mcp must be a mapping")
+    known = {"servers", "servers_file", "mcp_servers_config_path", "tools", "tool_selected_list", "prefix",
+             "start_timeout_s"}  # fmt: skip
+    unknown = sorted(set(block) - known)
+    if unknown:
+        raise ToolConfigError(f"tools[{index}].mcp: unknown key(s) {unknown}")
+    file = block.get("servers_file") or block.get("mcp_servers_config_path")
+    try:
+        servers = read_servers(folder / str(file) if file else block.get("servers") or {})
+        select = block.get("tools") or block.get("tool_selected_list")
+        timeout = float(block.get("start_timeout_s", 60.0))
+        return list(mcp_tools(servers, select, bool(block.get("prefix", False)), timeout))
+    except ImportError:
+        raise ToolConfigError(f"tools[{index}].mcp needs the mcp SDK: pip install 'turnrl[envs]'") from None
+    except MCPError as exc:
+        raise ToolConfigError(f"tools[{index}].mcp: {exc}") from None
 
 
 def _read_yaml(path: Path) -> Any:
