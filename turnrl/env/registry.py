@@ -48,6 +48,7 @@ _BUILTIN = {
     "swift_scheduler": "turnrl.envs.swift_scheduler:ThinkingTipsEnv",
     "frozen_lake": "turnrl.envs.frozen_lake:FrozenLakeEnv",
     "zoom": "turnrl.envs.zoom:ZoomEnv",
+    "search_qa": "turnrl.envs.search_qa:SearchQAEnv",
 }
 
 
