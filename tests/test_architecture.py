@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"integrations"},
     {"train"},
-    {"app", "viewer", "faults"},
+    {"app", "viewer", "faults", "interactions"},
     {"distributed"},
     {"config", "models", "envs", "testing", "data"},
     {"rollout"},
@@ -29,7 +29,10 @@ LAYERS: list[set[str]] = [
     {"vision", "imports", "cache"},
     {"types"},
 ]
-UPPER = {"config", "models", "distributed", "train", "integrations", "cli", "app", "viewer", "envs", "faults"}
+UPPER = {
+    "config", "models", "distributed", "train", "integrations", "cli", "app", "viewer", "envs", "faults",
+    "interactions",
+}  # fmt: skip
 CORE = {"rollout", "chat", "engines", "env", "tools", "vision", "types"}
 MAX_FUNCTION_LINES = 80
 

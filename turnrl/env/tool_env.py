@@ -6,12 +6,13 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from turnrl.env.base import Env
 from turnrl.env.caps import cap_text
+from turnrl.env.interaction import Interaction, call_optional, choose
 from turnrl.tools.base import BaseTool, ToolCall, ToolError, ToolOutput, as_tool_output
 from turnrl.tools.parsers import ToolParser, get_parser
 from turnrl.types import Message, Sample, StepResult, StopReason, Trajectory
@@ -49,10 +50,17 @@ class ToolEnv(Env):
         tool_timeout_s: float | None = 30.0,
         max_calls_per_turn: int = 16,
         max_output_chars: int | None = 16_000,
+        interactions: Mapping[str, Interaction] | None = None,
     ) -> None:
         """``max_output_chars`` caps the text of one tool result: a longer one keeps its start and
-        its end, and says in the middle how much was cut (None: no cap)."""
+        its end, and says in the middle how much was cut (None: no cap). ``interactions``: simulated
+        users by name (``turnrl.env.interaction``); the row's ``interaction_kwargs`` picks one, and
+        it answers every turn without a tool call instead of ending the episode."""
         super().__init__(sample)
+        self._user: tuple[Interaction, dict[str, Any]] | None = (
+            choose(interactions, sample) if interactions else None
+        )
+        self._conversation: list[Message] = []  # what a simulated user is shown: the whole exchange
         self._tools = select_tools(tools, sample)
         self.tools = [tool.schema for tool in self._tools.values()]
         self.parser = get_parser(parser) if isinstance(parser, str) else parser
@@ -68,12 +76,19 @@ class ToolEnv(Env):
         for name, tool in self._tools.items():
             await tool.create(self.instance_id, **self._kwargs(name, "create_kwargs"))
             self._created.append(tool)
+        if self._user is not None:
+            user, kwargs = self._user
+            await user.start_interaction(self.instance_id, **kwargs)
+            self._conversation = list(self.sample.prompt)
         return list(self.sample.prompt)
 
     async def step(self, action: str) -> StepResult:
         """Parse the turn's tool calls, run them concurrently and return their tool messages."""
         parsed = self.parser.parse(action)
+        self._conversation.append({"role": "assistant", "content": action})
         if not parsed.calls and not parsed.errors:
+            if self._user is not None:
+                return await self._user_turn()
             return StepResult(observation=None, done=True, stop_reason=StopReason.NO_TOOL_CALL)
         allowed, skipped = parsed.calls[: self.max_calls_per_turn], parsed.calls[self.max_calls_per_turn :]
         results = await self._run_calls(allowed)
@@ -98,9 +113,24 @@ class ToolEnv(Env):
             "parse_errors": list(parsed.errors),
             "tool_metrics": [r.output.metrics for r in results],
         }
+        if self._user is not None:
+            self._conversation += messages
         done = any(r.output.done for r in results)  # a call that ends the episode (a solved puzzle)
         reward = sum(r.output.reward for r in results)
         return StepResult(observation=messages, reward=reward, done=done, info=info)
+
+    async def _user_turn(self) -> StepResult:
+        """The simulated user's answer to a turn without tool calls (verl's ``generate_response``)."""
+        assert self._user is not None
+        user, kwargs = self._user
+        conversation = [dict(m) for m in self._conversation]
+        result = await user.generate_response(self.instance_id, conversation, **kwargs)
+        terminate, text, score, meta = _interaction_reply(result, user.name)
+        message: Message = {"role": "user", "content": text}
+        self._conversation.append(message)
+        info = {"interaction": user.name, "num_user_turns": 1, "interaction_meta": meta}
+        stop = StopReason.ENV_DONE if terminate else None
+        return StepResult(observation=[message], reward=score, done=terminate, info=info, stop_reason=stop)
 
     def format_observation(self, observation: Any) -> list[Message]:
         """The tool messages of the turn, as they are."""
@@ -109,15 +139,27 @@ class ToolEnv(Env):
     async def score(self, trajectory: Trajectory) -> float | None:
         """The sum of ``calc_reward`` over the tools that implement it, or None when none does."""
         scorers = [(name, t) for name, t in self._tools.items() if t.overrides_calc_reward()]
-        if not scorers:
+        user_score = None
+        if self._user is not None:
+            user, kwargs = self._user
+            user_score = await call_optional(user, "calculate_score", self.instance_id, kwargs)
+        if not scorers and user_score is None:
             return None
         rewards = [
             await t.calc_reward(self.instance_id, **self._kwargs(n, "calc_reward_kwargs")) for n, t in scorers
         ]
-        return float(sum(rewards))
+        return float(sum(rewards)) + float(user_score or 0.0)
 
     async def close(self) -> None:
         """Release every created tool instance; release errors are logged, not raised."""
+        if self._user is not None:
+            user, kwargs = self._user
+            try:
+                await call_optional(user, "finalize_interaction", self.instance_id, kwargs)
+            except Exception:
+                logger.exception(
+                    "finalizing interaction '%s' (instance %s) failed", user.name, self.instance_id
+                )
         created, self._created = self._created, []
         for tool in reversed(created):
             try:
@@ -169,6 +211,18 @@ def select_tools(tools: Sequence[BaseTool], sample: Sample) -> dict[str, BaseToo
         available = ", ".join(by_name) or "none"
         raise ValueError(f"sample '{sample.id}' asks for unknown tool(s) {unknown}; available: {available}")
     return {name: by_name[name] for name in dict.fromkeys(sample.tools)}
+
+
+def _interaction_reply(result: Any, name: str) -> tuple[bool, str, float, dict[str, Any]]:
+    """verl's ``(terminate, text, turn_score, meta)``, checked."""
+    if not isinstance(result, tuple | list) or len(result) != 4:
+        raise TypeError(
+            f"interaction '{name}' returned {type(result).__name__}, expected (done, text, score, meta)"
+        )
+    terminate, text, score, meta = result
+    if not isinstance(text, str):
+        raise TypeError(f"interaction '{name}' answered with {type(text).__name__}, expected text")
+    return bool(terminate), text, float(score or 0.0), dict(meta or {})
 
 
 def _tool_message(name: str, call_id: str, text: str, images: Sequence[Any] = ()) -> Message:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from turnrl.env.interaction import interactions_from_file
 from turnrl.env.tool_env import ToolEnv
 from turnrl.envs.math_tools import answers_match, extract_answer
 from turnrl.rewards import RewardContext
@@ -47,24 +48,31 @@ def load_tools(path: str | Path) -> list[BaseTool]:
 
 
 class ConfiguredToolEnv(ToolEnv):
-    """A ToolEnv whose tools come from a verl-style YAML (``tools_config``) and its ``parser``."""
+    """A ToolEnv whose tools come from a verl-style YAML (``tools_config``) and its ``parser``, with
+    simulated users from a verl-style interaction YAML (``interaction_config``)."""
 
     def __init__(
         self,
         sample: Sample,
-        tools_config: str,
+        tools_config: str | None = None,
         parser: str | ToolParser = "hermes",
         max_parallel_calls: int = 8,
         tool_timeout_s: float | None = 30.0,
         max_calls_per_turn: int = 16,
+        interaction_config: str | None = None,
     ) -> None:
+        """``tools_config``: verl's tools YAML; ``interaction_config``: verl's interaction YAML (simulated
+        users, chosen per row by ``interaction_kwargs.name``). At least one of them."""
+        if tools_config is None and interaction_config is None:
+            raise ValueError("tool_env needs tools_config, interaction_config, or both")
         super().__init__(
             sample,
-            load_tools(tools_config),
+            load_tools(tools_config) if tools_config else [],
             parser=parser,
             max_parallel_calls=max_parallel_calls,
             tool_timeout_s=tool_timeout_s,
             max_calls_per_turn=max_calls_per_turn,
+            interactions=interactions_from_file(interaction_config) if interaction_config else None,
         )
 
 
