@@ -297,6 +297,47 @@ class DataConfig(Strict):
     """Use the first N samples."""
 
 
+JUDGE_RUBRIC = (
+    "Grade the assistant's work on the task below.\n\nTask:\n{question}\n\n"
+    "Reference answer (may be empty):\n{reference}\n\nThe assistant's conversation:\n{transcript}\n\n"
+    "Give a score from 0 (wrong or useless) to 10 (correct and complete). End with a line 'Score: N'."
+)
+JUDGE_RANK_RUBRIC = (
+    "Compare the assistant's attempts at the task below.\n\nTask:\n{question}\n\n"
+    "Reference answer (may be empty):\n{reference}\n\n{attempts}\n\n"
+    "Score every attempt from 0 (wrong) to 10 (best), relative to each other. "
+    "End with a line 'Scores: [s1, s2, ...]' with one number per attempt, in order."
+)
+
+
+class JudgeConfig(Strict):
+    """An LLM judge as a data source's reward: a second model, not trained, on any engine kind or an
+    OpenAI-compatible chat endpoint. ``score`` grades each trajectory; ``rank`` grades a whole
+    GRPO group in one call (RULER-style). Replies are cached by content; a reply without a score
+    is a reward error (reported, reward 0), not a crash."""
+
+    model: str | None = None
+    """The judge model (shipped name, folder, hub id) for a token engine; an endpoint's model name."""
+    engine: dict[str, Any] = Field(default_factory=lambda: {"kind": "hf"})
+    """The judge's engine section (any kind; default: the embedded engine)."""
+    base_url: str | None = None
+    """An OpenAI-compatible chat endpoint (…/v1) instead of a token engine."""
+    api_key_env: str | None = None
+    """Environment variable holding the endpoint's API key."""
+    sampling: dict[str, Any] = Field(default_factory=lambda: {"temperature": 0.0, "max_tokens": 256})
+    """The judge's sampling."""
+    mode: Literal["score", "rank"] = "score"
+    """score: one call per trajectory; rank: one call per group."""
+    rubric: str | None = None
+    """The prompt, with {question}, {reference}, {transcript} (score) or {attempts} (rank)."""
+    max_score: float = Field(10.0, gt=0)
+    """The scale the judge is asked for; rewards are score / max_score."""
+    max_concurrency: int = Field(8, ge=1)
+    """Judge calls in flight at once."""
+    cache: bool = True
+    """Reuse the reply to a prompt already judged."""
+
+
 class RolloutConfig(Strict):
     """How many trajectories per prompt, and how many at once."""
 
@@ -334,6 +375,8 @@ class RunSections(Strict):
     """data_source -> "module:function" scoring one trajectory: fn(RewardContext) -> float."""
     group_rewards: dict[str, str] = Field(default_factory=dict)
     """data_source -> "module:function" scoring a whole group: fn(list[RewardContext]) -> list[float]."""
+    judges: dict[str, JudgeConfig] = Field(default_factory=dict)
+    """data_source -> an LLM judge as its reward (per trajectory, or a group at once)."""
     seed: int = 0
     """The run's seed: sampling, env and prompt-order seeds derive from it."""
 

@@ -67,13 +67,26 @@ class EnvRouter:
 
 
 def build_rewards(config: RunSections) -> Rewards:
-    """The reward routing of ``rewards`` and ``group_rewards`` ("module:function" per data source)."""
-    return Rewards(
+    """The reward routing of ``rewards`` and ``group_rewards`` ("module:function" per data source)
+    and ``judges`` (an LLM judge per data source, built here: its engine starts now)."""
+    rewards = Rewards(
         by_source={src: import_object(fn, f"reward for {src!r}") for src, fn in config.rewards.items()},
         groups={
             src: import_object(fn, f"group reward for {src!r}") for src, fn in config.group_rewards.items()
         },
     )
+    for src, judge_config in config.judges.items():
+        taken = rewards.groups if judge_config.mode == "rank" else rewards.by_source
+        if src in taken:
+            raise RunError(f"data source {src!r} has both a judge and a reward function of the same kind")
+        from turnrl.app.judge import Judge
+
+        judge = Judge(judge_config)
+        if judge_config.mode == "rank":
+            rewards.groups[src] = judge.rank
+        else:
+            rewards.by_source[src] = judge.score
+    return rewards
 
 
 def build_spec(config: RunSections, engine: Engine, tokenizer: Any, env_factory: EnvFactory) -> RolloutSpec:

@@ -89,7 +89,16 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         "errors/by_kind": dict(sorted(Counter(error_kind(t) for t in trajs if t.error).items())),
         "errors/top": dict(Counter(t.error for t in trajs if t.error).most_common(3)),
         "observations/truncated": sum(int(t.metrics.get("observations/truncated", 0)) for t in trajs),
+        **_judge_totals(trajs),
     }
+
+
+def _judge_totals(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """What LLM judges cost over the run (seconds, tokens, cached replies), when any judged."""
+    keys = ("judge/seconds", "judge/prompt_tokens", "judge/completion_tokens", "judge/cached")
+    if not any(keys[0] in t.metrics for t in trajs):
+        return {}
+    return {key: round(sum(float(t.metrics.get(key, 0)) for t in trajs), 3) for key in keys}
 
 
 def turn_record(group_id: str, sample_index: int, index: int, turn: Any) -> dict[str, Any]:

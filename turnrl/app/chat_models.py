@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from pydantic import TypeAdapter, ValidationError
 
+from turnrl.app.engines import local_engine
 from turnrl.chat.template import ChatTemplate
 from turnrl.config import ConfigError, EngineConfig, first_error
 from turnrl.types import Engine, Message, SamplingParams
@@ -150,8 +151,6 @@ def _thaw(value: Any) -> Any:
 @functools.lru_cache(maxsize=8)
 def _engine(model: str, engine: Any) -> tuple[Engine, Any]:
     """The engine of a chat model, built once per (model, engine config) and process."""
-    from turnrl.app.engines import local_engine
-
     try:
         e = TypeAdapter(EngineConfig).validate_python(_thaw(engine))
     except ValidationError as exc:

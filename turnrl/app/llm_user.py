@@ -23,7 +23,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from turnrl.interactions.chat_model import ChatModel, chat_model
+from turnrl.app.chat_models import ChatModel, chat_model
 from turnrl.types import Message
 
 SWAPPED = {"assistant": "user", "user": "assistant"}
