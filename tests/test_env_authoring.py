@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,23 +23,8 @@ from turnrl.envs.guess_number import GuessNumberEnv
 from turnrl.testing import EchoEnv
 from turnrl.types import StopReason
 
-# A player of guess_number that bisects on the env's hints: it reads the conversation it is given.
-POLICY = textwrap.dedent(
-    """
-    import re
-
-    def bisect(messages, images, sample):
-        lo, hi = 1, int(sample.metadata["hi"])
-        for said, answer in zip(messages, messages[1:]):
-            if said["role"] == "assistant":
-                guess = int(re.findall(r"\\[(\\d+)\\]", said["content"])[-1])
-                if answer["content"].startswith("Higher"):
-                    lo = guess + 1
-                elif answer["content"].startswith("Lower"):
-                    hi = guess - 1
-        return f"My guess: [{(lo + hi) // 2}]"
-    """
-)
+REPO = Path(__file__).resolve().parents[1]
+PLAYERS = REPO / "examples" / "players.py"  # bisect: a player of guess_number that reads the conversation
 
 
 def turnrl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -54,10 +38,10 @@ def test_a_scripted_policy_from_the_config_plays_an_env_through_the_cli(
 ) -> None:
     folder = tmp_path / "my_env"  # the config's folder, not the working directory
     folder.mkdir()
-    (folder / "my_player.py").write_text(POLICY)
+    (folder / "my_player.py").write_text(PLAYERS.read_text())
     config = {
         "model": str(tiny_qwen3_dir),
-        "engine": {"kind": "scripted", "policy": "my_player:bisect"},
+        "engine": {"kind": "scripted", "policy": "my_player:bisect"},  # found beside the config
         "env": {"name": "guess_number", "kwargs": {"hi": 100}},
         "data": {"kwargs": {"size": 4, "hi": 100}},
         "sampling": {"max_tokens": 32},
