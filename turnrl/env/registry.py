@@ -49,6 +49,8 @@ _BUILTIN = {
     "frozen_lake": "turnrl.envs.frozen_lake:FrozenLakeEnv",
     "zoom": "turnrl.envs.zoom:ZoomEnv",
     "search_qa": "turnrl.envs.search_qa:SearchQAEnv",
+    "gymnasium": "turnrl.envs.gym_env:GymnasiumEnv",
+    "skyrl_gym": "turnrl.envs.skyrl_gym_env:SkyRLGymEnv",
 }
 
 
