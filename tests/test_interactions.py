@@ -179,6 +179,12 @@ async def test_a_user_on_an_openai_compatible_chat_endpoint(qwen3_tokenizer: Any
         traj = await run_trajectory(teach, spec(qwen3_tokenizer, ["What would you like to learn?"], env))
         assert traj.stop_reason is StopReason.ENV_DONE and user.stats["calls"] == 1
         assert user.stats["completion_tokens"] > 0 and traj.metrics["check/ok"] is True
+        # the same server as a token engine (turnrl's own openai kind, llama.cpp dialect) behind
+        # SmolLM2's chat template: a user on a server engine kind
+        engine = {"kind": "openai", "urls": [server.url], "dialect": "llamacpp"}
+        tokens = chat_model({"model": "smollm2-135m", "engine": engine, "sampling": sampling})
+        reply = await tokens.chat([{"role": "user", "content": "Say hello."}])
+        assert reply.text and reply.completion_tokens > 0 and reply.prompt_tokens > 5
         await user.model.close()
     finally:
         server.stop()
