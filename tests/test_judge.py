@@ -121,3 +121,24 @@ def test_a_second_model_judges_from_the_cli(tmp_path: Path, tiny_qwen3_dir: Path
     assert sum(t["metrics"]["judge/cached"] for t in trajs) == 2  # each question's twin answer: cached
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["judge/completion_tokens"] > 0 and summary["judge/seconds"] > 0
+
+
+async def test_a_judge_as_env_feedback_grades_each_answer_until_it_passes(qwen3_tokenizer: Any) -> None:
+    from turnrl.env.tool_env import ToolEnv
+    from turnrl.interactions import JudgeFeedback
+
+    engine = ScriptedEngine(qwen3_tokenizer, ["Too vague: name one. Score: 3", "Correct. Score: 9"])
+    chat = EngineChat(engine, qwen3_tokenizer, SamplingParams(max_tokens=64))
+    review = JudgeFeedback({"name": "review", "pass_score": 8, "max_rounds": 4}, chat)
+    spec = RolloutSpec(
+        env_factory=lambda s: ToolEnv(s, [], interactions={"review": review}),
+        engine=ScriptedEngine(qwen3_tokenizer, ["Some numbers are prime.", "7 is prime."]),
+        encoder=ChatEncoder(qwen3_tokenizer, {"enable_thinking": False}),
+        sampling=SamplingParams(max_tokens=32),
+        limits=Limits(max_turns=5),
+    )
+    (traj,) = await collect([Sample("f", PROMPT)], spec)
+    assert traj.num_turns == 2 and traj.turn_rewards == [0.3, 0.9] and traj.stop_reason.value == "env_done"
+    assert traj.messages[2]["content"] == "Too vague: name one.\nScore: 3/10"
+    assert "7 is prime." in qwen3_tokenizer.decode(engine.calls[1].prompt_ids)  # the second answer graded
+    assert traj.metrics["check/ok"] is True

@@ -122,6 +122,51 @@ class Judge:
             self.stats["completion_tokens"] += reply.completion_tokens
 
 
+class JudgeFeedback:
+    """A judge as env feedback (a verl interaction): each answer without a tool call is graded
+    with the rubric, the critique goes back to the model as the user's message, the score / max
+    is the turn's reward, and the episode ends once it reaches ``pass_score`` or after
+    ``max_rounds``. Config: the ``JudgeConfig`` fields plus ``pass_score`` and ``max_rounds``."""
+
+    def __init__(self, config: dict[str, Any], model: ChatModel | None = None) -> None:
+        options = dict(config)
+        self.name = str(options.pop("name", "judge"))
+        self.pass_score = float(options.pop("pass_score", 8.0))
+        self.max_rounds = int(options.pop("max_rounds", 3))
+        self.judge = Judge(JudgeConfig(**options), model)
+        self._rounds: dict[str, int] = {}
+
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        """Begin grading one episode."""
+        instance_id = instance_id or hashlib.sha256(str(time.time()).encode()).hexdigest()[:16]
+        self._rounds[instance_id] = 0
+        return instance_id
+
+    async def generate_response(
+        self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
+    ) -> tuple[bool, str, float, dict[str, Any]]:
+        """Grade the last answer: (passed or out of rounds, the critique, score / max, meta)."""
+        self._rounds[instance_id] = rounds = self._rounds.get(instance_id, 0) + 1
+        question = next((_text(m) for m in messages if m.get("role") == "user"), "")
+        answer = strip_reasoning(_text(messages[-1])).strip()
+        fields = {"question": question, "response": answer, "transcript": f"[assistant] {answer}", **kwargs}
+        fields.setdefault("reference", "")
+        prompt = (self.judge.config.rubric or JUDGE_RUBRIC).format_map(_Fields(fields))
+        reply = await self.judge.model.chat([{"role": "user", "content": prompt}])
+        found = _SCORE.findall(reply.text)
+        if not found:
+            raise JudgeError(f"judge reply has no 'Score: N': {_quote(reply.text)}")
+        score = float(found[-1])
+        critique = _SCORE.sub("", reply.text).strip() or "No comment."
+        done = score >= self.pass_score or rounds >= self.max_rounds
+        text = f"{critique}\nScore: {score:g}/{self.judge.config.max_score:g}"
+        return done, text, self.judge._scaled(score), {"round": rounds, "score": score}
+
+    async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
+        """Forget the episode."""
+        self._rounds.pop(instance_id, None)
+
+
 def _add(traj: Trajectory, key: str, value: float) -> None:
     traj.metrics[key] = traj.metrics.get(key, 0) + value
 

@@ -8,7 +8,7 @@ interaction YAML.
 """
 
 from turnrl.app.chat_models import ChatModel, ChatReply, EngineChat, OpenAIChat, chat_model
-from turnrl.app.judge import Judge, JudgeError
+from turnrl.app.judge import Judge, JudgeError, JudgeFeedback
 from turnrl.app.llm_user import LLMUser
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "EngineChat",
     "Judge",
     "JudgeError",
+    "JudgeFeedback",
     "LLMUser",
     "OpenAIChat",
     "chat_model",
