@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -122,7 +123,9 @@ def chat_model(config: Mapping[str, Any]) -> ChatModel:
         )
     if not config.get("model"):
         raise ConfigError("a chat model needs 'model' (with an optional engine) or 'base_url'")
-    engine, tokenizer = _engine(str(config["model"]), _freeze(config.get("engine") or {"kind": "hf"}))
+    engine, tokenizer = _engine(
+        str(config["model"]), json.dumps(config.get("engine") or {"kind": "hf"}, sort_keys=True)
+    )
     return EngineChat(engine, tokenizer, sampling, **dict(config.get("template_kwargs") or {}))
 
 
@@ -133,26 +136,18 @@ def _sampling(raw: Mapping[str, Any]) -> SamplingParams:
         raise ConfigError(first_error(exc).replace("config", "chat model sampling", 1)) from None
 
 
-def _freeze(value: Any) -> Any:
-    """A hashable copy of a config value (the engine cache's key)."""
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(v) for v in value)
-    return value
+class Placeholders(dict[str, Any]):
+    """A ``format_map`` mapping that leaves unknown ``{fields}`` of a prompt as they are."""
 
-
-def _thaw(value: Any) -> Any:
-    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 for v in value):
-        return {k: _thaw(v) for k, v in value}
-    return value
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
 
 
 @functools.lru_cache(maxsize=8)
-def _engine(model: str, engine: Any) -> tuple[Engine, Any]:
-    """The engine of a chat model, built once per (model, engine config) and process."""
+def _engine(model: str, engine: str) -> tuple[Engine, Any]:
+    """The engine of a chat model, built once per (model, engine config as JSON) and process."""
     try:
-        e = TypeAdapter(EngineConfig).validate_python(_thaw(engine))
+        e = TypeAdapter(EngineConfig).validate_python(json.loads(engine))
     except ValidationError as exc:
         raise ConfigError(first_error(exc).replace("config key '", "chat model engine key '", 1)) from None
     if e.kind == "scripted":

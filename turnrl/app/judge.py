@@ -17,11 +17,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from turnrl.app.chat_models import ChatModel, ChatReply, chat_model
+from turnrl.app.chat_models import ChatModel, ChatReply, Placeholders, chat_model
 from turnrl.config import JUDGE_RANK_RUBRIC, JUDGE_RUBRIC, JudgeConfig
 from turnrl.rewards import RewardContext
 from turnrl.tools import strip_reasoning
 from turnrl.types import Message, Sample, Trajectory
+from turnrl.vision.content import text_parts
 
 _SCORE = re.compile(r"score\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 _SCORES = re.compile(r"scores\s*[:=]\s*(\[[^\]]*\])", re.IGNORECASE)
@@ -44,7 +45,7 @@ class Judge:
     async def score(self, ctx: RewardContext) -> float:
         """One trajectory's reward: the judge's score / ``max_score``, in [0, 1]."""
         rubric = self.config.rubric or JUDGE_RUBRIC
-        prompt = rubric.format_map(_Fields(_fields(ctx.sample, ctx.trajectory)))
+        prompt = rubric.format_map(Placeholders(_fields(ctx.sample, ctx.trajectory)))
         reply = await self._ask(prompt, [ctx.trajectory])
         found = _SCORE.findall(reply)
         if not found:
@@ -60,7 +61,7 @@ class Judge:
             f"Attempt {n}:\n{_transcript(c.trajectory, len(c.sample.prompt))}"
             for n, c in enumerate(contexts, start=1)
         )
-        prompt = (self.config.rubric or JUDGE_RANK_RUBRIC).format_map(_Fields(fields))
+        prompt = (self.config.rubric or JUDGE_RANK_RUBRIC).format_map(Placeholders(fields))
         reply = await self._ask(prompt, [c.trajectory for c in contexts])
         found = _SCORES.findall(reply)
         try:
@@ -151,7 +152,7 @@ class JudgeFeedback:
         answer = strip_reasoning(_text(messages[-1])).strip()
         fields = {"question": question, "response": answer, "transcript": f"[assistant] {answer}", **kwargs}
         fields.setdefault("reference", "")
-        prompt = (self.judge.config.rubric or JUDGE_RUBRIC).format_map(_Fields(fields))
+        prompt = (self.judge.config.rubric or JUDGE_RUBRIC).format_map(Placeholders(fields))
         reply = await self.judge.model.chat([{"role": "user", "content": prompt}])
         found = _SCORE.findall(reply.text)
         if not found:
@@ -200,19 +201,9 @@ def _transcript(traj: Trajectory, prompt_messages: int) -> str:
 
 
 def _text(message: Any) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return ""
+    return " ".join(text_parts(message.get("content")))
 
 
 def _quote(text: str) -> str:
     flat = " ".join(text.split())
     return repr(flat[:120] + ("..." if len(flat) > 120 else ""))
-
-
-class _Fields(dict[str, Any]):
-    def __missing__(self, key: str) -> str:
-        return "{" + key + "}"

@@ -23,7 +23,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from turnrl.app.chat_models import ChatModel, chat_model
+from turnrl.app.chat_models import ChatModel, Placeholders, chat_model
+from turnrl.tools.parsers import ToolParser, get_parser
 from turnrl.types import Message
 
 SWAPPED = {"assistant": "user", "user": "assistant"}
@@ -38,6 +39,7 @@ class LLMUser:
         self.persona = str(config.get("persona", "You are a user talking to an assistant."))
         self.stop_phrase = str(config.get("stop_phrase", "###DONE###"))
         self.max_user_turns = int(config.get("max_user_turns", 4))
+        self.parser = get_parser(str(config.get("parser", "hermes")))  # the policy's call format
         self.model = model or chat_model(config)
         self._turns: dict[str, int] = {}
         self.stats = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0}
@@ -54,8 +56,8 @@ class LLMUser:
         """The user's next message; it ends the conversation by saying the stop phrase, or when
         its turns are used up."""
         self._turns[instance_id] = turns = self._turns.get(instance_id, 0) + 1
-        system = self.persona.format_map(_Missing(kwargs))
-        view: list[Message] = [{"role": "system", "content": system}, *_swapped(messages)]
+        system = self.persona.format_map(Placeholders(kwargs))
+        view: list[Message] = [{"role": "system", "content": system}, *_swapped(messages, self.parser)]
         reply = await self.model.chat(view)
         self.stats["calls"] += 1
         self.stats["prompt_tokens"] += reply.prompt_tokens
@@ -71,7 +73,7 @@ class LLMUser:
         self._turns.pop(instance_id, None)
 
 
-def _swapped(messages: list[dict[str, Any]]) -> list[Message]:
+def _swapped(messages: list[dict[str, Any]], parser: ToolParser) -> list[Message]:
     """The conversation from the user's side: roles swapped, the system prompt, tool calls and tool
     results left out, consecutive messages of one role merged (chat templates want alternation)."""
     out: list[Message] = []
@@ -80,7 +82,7 @@ def _swapped(messages: list[dict[str, Any]]) -> list[Message]:
         content = message.get("content")
         if role is None or not isinstance(content, str) or not content.strip():
             continue
-        text = _visible(content)
+        text = parser.parse(content).content  # what a user sees: no reasoning, no tool calls
         if not text:
             continue
         if out and out[-1]["role"] == role:
@@ -90,21 +92,3 @@ def _swapped(messages: list[dict[str, Any]]) -> list[Message]:
     if out and out[0]["role"] == "assistant":  # a conversation must open with the (swapped) user
         out.insert(0, {"role": "user", "content": "(The conversation starts.)"})
     return out
-
-
-def _visible(text: str) -> str:
-    """A turn's text without reasoning and tool calls (what a user would see)."""
-    from turnrl.tools import strip_reasoning
-
-    visible = strip_reasoning(text)
-    while "<tool_call>" in visible:
-        head, _, rest = visible.partition("<tool_call>")
-        visible = head + rest.partition("</tool_call>")[2]
-    return visible.strip()
-
-
-class _Missing(dict[str, Any]):
-    """Format mapping that leaves unknown ``{fields}`` as they are."""
-
-    def __missing__(self, key: str) -> str:
-        return "{" + key + "}"

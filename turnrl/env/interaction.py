@@ -27,9 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
 from turnrl.imports import ImportSpecError, import_object
+from turnrl.tools.files import file_version, read_data_file
 from turnrl.types import Sample
 
 
@@ -51,17 +50,7 @@ class Interaction(Protocol):
 
 def load_interactions(source: str | Path | Mapping[str, Any]) -> dict[str, Interaction]:
     """The interactions of a YAML file (or its loaded mapping), by name."""
-    if isinstance(source, Mapping):
-        data: Any = source
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise InteractionError(f"interaction config not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            reason = " ".join(str(exc).split())
-            raise InteractionError(f"interaction config {path} is not valid YAML: {reason}") from None
+    data = read_data_file(source, "interaction config", InteractionError)
     entries = data.get("interaction") if isinstance(data, Mapping) else None
     if not isinstance(entries, list) or not entries:
         raise InteractionError("interaction config needs an 'interaction' list")
@@ -82,9 +71,7 @@ def cached_interactions(path: str, mtime_ns: int) -> dict[str, Interaction]:
 
 def interactions_from_file(path: str | Path) -> dict[str, Interaction]:
     """``load_interactions`` of a file, cached per file version."""
-    resolved = Path(path).expanduser().resolve()
-    mtime = resolved.stat().st_mtime_ns if resolved.is_file() else 0
-    return cached_interactions(str(resolved), mtime)
+    return cached_interactions(*file_version(path))
 
 
 def _build(entry: Any, index: int) -> Interaction:

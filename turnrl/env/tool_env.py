@@ -85,7 +85,8 @@ class ToolEnv(Env):
     async def step(self, action: str) -> StepResult:
         """Parse the turn's tool calls, run them concurrently and return their tool messages."""
         parsed = self.parser.parse(action)
-        self._conversation.append({"role": "assistant", "content": action})
+        if self._user is not None:  # what the simulated user is shown
+            self._conversation.append({"role": "assistant", "content": action})
         if not parsed.calls and not parsed.errors:
             if self._user is not None:
                 return await self._user_turn()

@@ -8,6 +8,7 @@ module, else 0.0. Any JSONL corpus with rows of ``{"question", "answer"}`` works
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 from typing import Any
@@ -59,15 +60,10 @@ class SearchQAEnv(ToolEnv):
         return [_row(i, seed, p.title, p.text) for i, p in enumerate(picked)]
 
 
-_TOOLS: dict[tuple[str, int], BM25Search] = {}
-
-
+@functools.lru_cache(maxsize=16)
 def _tool(corpus: str, top_k: int) -> BM25Search:
     """One search tool per (corpus, top_k): stateless, shared by every trajectory."""
-    key = (corpus, top_k)
-    if key not in _TOOLS:
-        _TOOLS[key] = BM25Search({"corpus": corpus, "top_k": top_k})
-    return _TOOLS[key]
+    return BM25Search({"corpus": corpus, "top_k": top_k})
 
 
 def _row(index: int, seed: int, title: str, text: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from turnrl.env.tool_env import ToolEnv
 from turnrl.envs.math_tools import answers_match, extract_answer
 from turnrl.rewards import RewardContext
 from turnrl.tools import BaseTool, ToolArgumentError, ToolOutput, load_tools_config
+from turnrl.tools.files import file_version
 from turnrl.tools.parsers import ToolParser
 from turnrl.types import Sample
 
@@ -42,9 +43,7 @@ def _load(path: str, mtime_ns: int) -> tuple[BaseTool, ...]:
 
 def load_tools(path: str | Path) -> list[BaseTool]:
     """The tools of a tools YAML, loaded once per file version."""
-    resolved = Path(path).expanduser().resolve()
-    mtime = resolved.stat().st_mtime_ns if resolved.is_file() else 0
-    return list(_load(str(resolved), mtime))
+    return list(_load(*file_version(path)))
 
 
 class ConfiguredToolEnv(ToolEnv):

@@ -22,10 +22,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from turnrl.imports import ImportSpecError, import_object
 from turnrl.tools.base import BaseTool, ToolSchema, normalize_schema
+from turnrl.tools.files import read_data_file
 from turnrl.tools.function import FunctionTool
 
 
@@ -35,7 +34,7 @@ class ToolConfigError(ValueError):
 
 def load_tools_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> list[BaseTool]:
     """Build the tools of a config: a YAML file path or the already loaded dict."""
-    data = source if isinstance(source, Mapping) else _read_yaml(Path(source))
+    data = read_data_file(source, "tool config file", ToolConfigError)
     entries = data.get("tools") if isinstance(data, Mapping) else None
     if not isinstance(entries, list):
         raise ToolConfigError("tool config needs a 'tools' list")
@@ -71,15 +70,6 @@ def _mcp_tools(block: Any, index: int, folder: Path) -> list[BaseTool]:
         raise ToolConfigError(f"tools[{index}].mcp needs the mcp SDK: pip install 'turnrl[envs]'") from None
     except MCPError as exc:
         raise ToolConfigError(f"tools[{index}].mcp: {exc}") from None
-
-
-def _read_yaml(path: Path) -> Any:
-    if not path.is_file():
-        raise ToolConfigError(f"tool config file not found: {path}")
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ToolConfigError(f"invalid YAML in {path}: {' '.join(str(e).split())}") from e
 
 
 def _build_tool(entry: Any, index: int) -> BaseTool:

@@ -25,10 +25,10 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from turnrl.tools.base import BaseTool, ToolError, ToolOutput, ToolSchema
+from turnrl.tools.files import read_data_file
 
 
 class MCPError(RuntimeError):
@@ -66,16 +66,7 @@ class MCPServerSpec:
 
 def read_servers(source: str | os.PathLike[str] | Mapping[str, Any]) -> list[MCPServerSpec]:
     """Servers from an ``{"mcpServers": {...}}`` JSON file (or its mapping), or a bare name mapping."""
-    if isinstance(source, Mapping):
-        data: Any = source
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise MCPError(f"MCP servers file not found: {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise MCPError(f"MCP servers file {path} is not JSON: {exc.msg}") from None
+    data = read_data_file(source, "MCP servers file", MCPError)
     servers = data.get("mcpServers", data) if isinstance(data, Mapping) else None
     if not isinstance(servers, Mapping) or not servers:
         raise MCPError("MCP servers: expected a mapping of server names (mcpServers)")

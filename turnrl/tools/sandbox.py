@@ -152,10 +152,13 @@ class Sandbox:
         result = SandboxResult(
             out.text(), err.text(), code, reason, time.monotonic() - t0, out.cut or err.cut
         )
+        said = _said_limit(result.stderr, limits)  # a limit the code was told of, in its errors
         if reason is None:
-            result.reason = _limit_hit(result, limits)
-            if result.reason is not None:
-                result.exit_code = None
+            result.reason = said or _signal_limit(proc.returncode or 0, limits)
+        elif out.cut or err.cut:
+            result.reason = said or reason  # a bomb whose own errors filled the output: name the bomb
+        if result.reason is not None:
+            result.exit_code = None
         return result
 
 
@@ -183,21 +186,25 @@ class _Capped:
         return text[: self.limit] if cap else text
 
 
-def _limit_hit(result: SandboxResult, limits: SandboxLimits) -> str | None:
-    """The limit that ended a run that exited (by a signal or an error it could not handle)."""
-    code = result.exit_code or 0
-    signo = -code if code < 0 else code - 128 if code > 128 else 0
-    if signo in (signal.SIGXCPU, signal.SIGKILL) and "MemoryError" not in result.stderr:
-        return f"CPU time limit ({limits.cpu_s} s)"
-    if "MemoryError" in result.stderr:
+def _said_limit(stderr: str, limits: SandboxLimits) -> str | None:
+    """The limit a run's own errors name: memory, file size or processes."""
+    if "MemoryError" in stderr:
         return f"memory limit ({limits.memory_mb} MiB)"
-    if "File too large" in result.stderr or signo == signal.SIGXFSZ:
+    if "File too large" in stderr:
         return f"file size limit ({limits.file_size_mb} MiB)"
-    if "Resource temporarily unavailable" in result.stderr or "can't start new thread" in result.stderr:
+    if "Resource temporarily unavailable" in stderr or "can't start new thread" in stderr:
         return f"process limit ({limits.max_processes})"
-    if signo:
-        return f"killed by signal {signal.Signals(signo).name}"
     return None
+
+
+def _signal_limit(code: int, limits: SandboxLimits) -> str | None:
+    """The limit behind a run that a signal ended (bwrap reports a signal as 128 + its number)."""
+    signo = -code if code < 0 else code - 128 if code > 128 else 0
+    if signo in (signal.SIGXCPU, signal.SIGKILL):
+        return f"CPU time limit ({limits.cpu_s} s)"
+    if signo == signal.SIGXFSZ:
+        return f"file size limit ({limits.file_size_mb} MiB)"
+    return f"killed by signal {signal.Signals(signo).name}" if signo else None
 
 
 def _processes_of(uid: int) -> int:
