@@ -34,3 +34,14 @@ def searcher(messages: list[dict[str, Any]], images: list[Any], sample: Any) -> 
         return f"<tool_call>\n{call}\n</tool_call>"
     found = re.findall(r"\[1\] (\w+)\.", str(last["content"]))
     return f"<answer>{found[0] if found else 'unknown'}</answer>"
+
+
+def vault_opener(messages: list[dict[str, Any]], images: list[Any], sample: Any) -> str:
+    """openenv_vault: peek every slot in one turn, then open the vault with what they hold."""
+    seen = [str(m["content"]) for m in messages if m["role"] == "tool"]
+    digits = [m.group(1) for text in seen if (m := re.search(r"holds (\d)", text))]
+    if not digits:
+        calls = [json.dumps({"name": "peek", "arguments": {"slot": slot}}) for slot in range(3)]
+        return "\n".join(f"<tool_call>\n{call}\n</tool_call>" for call in calls)
+    call = json.dumps({"name": "open_vault", "arguments": {"code": "".join(digits)}})
+    return f"<tool_call>\n{call}\n</tool_call>"

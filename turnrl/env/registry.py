@@ -51,6 +51,7 @@ _BUILTIN = {
     "search_qa": "turnrl.envs.search_qa:SearchQAEnv",
     "gymnasium": "turnrl.envs.gym_env:GymnasiumEnv",
     "skyrl_gym": "turnrl.envs.skyrl_gym_env:SkyRLGymEnv",
+    "openenv": "turnrl.envs.openenv_env:OpenEnvEnv",
 }
 
 

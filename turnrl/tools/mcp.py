@@ -269,13 +269,14 @@ class MCPTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> ToolOutput:
         """Call the tool; its text parts are the answer, its image parts the images."""
         result = await self.connection.call(self.remote_name, parameters, kwargs.get("timeout_s"))
-        text, images = _content(result)
+        text, images = result_content(result)
         if _get(result, "is_error", "isError"):
             raise ToolError(text or f"tool '{self.remote_name}' failed")
         return ToolOutput(text, images=images, metrics={"mcp_server": self.connection.spec.name})
 
 
-def _content(result: Any) -> tuple[str, list[Any]]:
+def result_content(result: Any) -> tuple[str, list[Any]]:
+    """An MCP tool result as the tool message's text and images."""
     texts: list[str] = []
     images: list[Any] = []
     for part in result.content or []:
