@@ -7,7 +7,8 @@ a forward and backward pass over every row in micro-batches, then one AdamW step
 runs both under bfloat16 autocast (turnrl: the body; its vocabulary projection stays float32).
 
 - ``turnrl``: the trainer's path: rows sorted by length into micro-batches of at most
-  ``--micro-tokens`` padded tokens (``micro_batches``), the body's hidden states projected
+  ``--micro-tokens`` padded tokens (``micro_batches``; ``turnrl-packed``: packed rows of at most
+  that many tokens, no padding, as ``train.pack: true`` does), the body's hidden states projected
   through the vocabulary only at trained positions, in chunks (``token_logprobs``), the
   ``ppo`` (clipped) token-mean loss.
 - ``trl``: ``GRPOTrainer.compute_loss`` (TRL's own logprobs, its default loss, entropy as it
@@ -19,7 +20,7 @@ then ``--steps`` timed steps; trained tokens per second of the median step and t
 RSS above what it held after loading the model. Sides alternate, ``--repeats`` times.
 
     .venv/bin/python bench/trainer_speed.py [--model smollm2-135m] [--rows 16] [--prompt 128]
-        [--completion 384] [--steps 3] [--repeats 2] [--bf16]
+        [--completion 384] [--steps 3] [--repeats 2] [--bf16] [--sides turnrl,turnrl-packed,trl]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
+SIDES = ("turnrl", "turnrl-packed", "trl")
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # bench/vllm.py is not vLLM (TRL looks)
 
 
@@ -69,7 +71,7 @@ def batch(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[l
 
 def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argparse.Namespace) -> int:
     """One optimizer step on turnrl's path; the trained tokens."""
-    from turnrl.train.batch import TrainSample, collate, micro_batches
+    from turnrl.train.batch import TrainSample, batches_of
     from turnrl.train.logprobs import token_logprobs
     from turnrl.train.loss import LossInputs, LossOptions, policy_loss
 
@@ -85,10 +87,14 @@ def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argpars
     ]
     tokens = sum(len(c) for c in completions)
     optimizer.zero_grad(set_to_none=True)
-    for part in micro_batches(samples, args.micro_tokens):
-        b = collate(part, 0)
+    for b in batches_of(samples, args.micro_tokens, 0, args.pack):
         logprobs = token_logprobs(
-            model, b.input_ids_B_T, b.attention_mask_B_T, b.loss_mask_B_T > 0, autocast=args.autocast
+            model,
+            b.input_ids_B_T,
+            b.attention_mask_B_T,
+            b.loss_mask_B_T > 0,
+            autocast=args.autocast,
+            position_ids_B_T=b.position_ids_B_T,
         )
         old = logprobs.detach()
         inputs = LossInputs(logprobs, old, old, b.advantages_B_T, b.loss_mask_B_T)
@@ -190,13 +196,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="both sides under bfloat16 autocast")
-    parser.add_argument("--side", choices=["turnrl", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sides", default="turnrl,trl", help="which to run, of turnrl, turnrl-packed (train.pack: true), trl"
+    )
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.autocast = torch.bfloat16 if args.bf16 else None
+    args.pack = args.side == "turnrl-packed"
     if args.side:
         run_side(args)
         return
-    results: dict[str, list[dict[str, float]]] = {"turnrl": [], "trl": []}
+    sides = args.sides.split(",")
+    if unknown := set(sides) - set(SIDES):
+        parser.error(f"unknown sides {sorted(unknown)}; known: {', '.join(SIDES)}")
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for repeat in range(args.repeats):
         for side in results:
             command = [sys.executable, __file__, *sys.argv[1:], "--side", side]
@@ -209,15 +222,19 @@ def main() -> None:
             results[side].append(r)
             rate = r["tokens"] / r["seconds"]
             print(
-                f"  [{repeat + 1}] {side:<7} {rate:7.1f} tok/s  step {r['seconds']:.2f}s  "
+                f"  [{repeat + 1}] {side:<13} {rate:7.1f} tok/s  step {r['seconds']:.2f}s  "
                 f"peak {r['peak']:.0f} MiB ({r['peak'] - r['loaded']:.0f} above the loaded model)"
             )
     rates = {s: statistics.median(r["tokens"] / r["seconds"] for r in rs) for s, rs in results.items()}
     extra = {s: statistics.median(r["peak"] - r["loaded"] for r in rs) for s, rs in results.items()}
     print(f"{args.model}: {args.rows} rows x ({args.prompt} prompt + <= {args.completion} completion) tokens")
     for side in results:
-        print(f"  {side:<7} {rates[side]:7.1f} tok/s, {extra[side]:.0f} MiB above the loaded model")
-    print(f"turnrl / TRL tokens/s: {rates['turnrl'] / rates['trl']:.2f}")
+        print(f"  {side:<13} {rates[side]:7.1f} tok/s, {extra[side]:.0f} MiB above the loaded model")
+    for mine in ("turnrl", "turnrl-packed"):
+        if mine in rates and "trl" in rates:
+            print(f"{mine} / TRL tokens/s: {rates[mine] / rates['trl']:.2f}")
+    if "turnrl" in rates and "turnrl-packed" in rates:
+        print(f"packed / padded tokens/s: {rates['turnrl-packed'] / rates['turnrl']:.2f}")
 
 
 if __name__ == "__main__":

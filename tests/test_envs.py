@@ -431,9 +431,18 @@ async def test_example_config_loads_and_its_env_starts(path: Path, monkeypatch: 
     samples = load_samples(config.data, entry)
     assert len(samples) * config.rollout.group_size <= 32 and config.sampling.max_tokens <= 128
     assert config.limits.max_turns <= 4
+    server = None
+    if config.env.name == "openenv":  # its env lives in a server the user starts first: start it
+        from openenv_helpers import serve
+
+        server, url = serve(path.stem.removeprefix("openenv_"))
+        config.env.kwargs["url"] = url
     env = entry.bind(config.env.kwargs)(samples[0])
     try:
         prompt = await env.reset()
         assert prompt and all("role" in m for m in prompt)
     finally:
         await env.close()
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)

@@ -6,10 +6,8 @@ a per-trajectory ``env_error`` with the reason."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ import yaml
 from turnrl import ChatEncoder, Limits, RolloutSpec, Sample, SamplingParams, collect
 from turnrl.app.parts import build_env_factory
 from turnrl.config import EnvConfig
-from turnrl.engines.process import free_port, port_in_use
+from turnrl.engines.process import free_port
 from turnrl.engines.scripted import ScriptedEngine, policy_replies
 from turnrl.envs import openenv_env
 from turnrl.envs.openenv_env import OpenEnvEnv
@@ -30,25 +28,8 @@ pytest.importorskip("openenv")  # the envs extra, installed by the test command:
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
+from openenv_helpers import serve, stop  # noqa: E402
 from players import bisect, vault_opener  # noqa: E402  (the shipped scripted players)
-
-SERVER = REPO / "examples" / "openenv_server.py"
-
-
-def serve(kind: str, max_sessions: int = 64) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {**os.environ, "OPENENV_MAX_SESSIONS": str(max_sessions)}
-    proc = subprocess.Popen([sys.executable, str(SERVER), kind, str(port)], env=env)
-    deadline = time.monotonic() + 60
-    while not port_in_use(port):
-        assert proc.poll() is None and time.monotonic() < deadline, f"the OpenEnv {kind} server did not start"
-        time.sleep(0.1)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

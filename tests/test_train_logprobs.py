@@ -132,3 +132,73 @@ def test_bfloat16_autocast_is_close_to_float32_and_keeps_float32_weights_and_gra
     assert 0 < gap < 0.25  # bfloat16 did run; measured: 0.11 nats at most, on logprobs near -14.6
     flat = lambda g: torch.cat([v.flatten() for v in g.values()])  # noqa: E731
     assert float(F.cosine_similarity(flat(got), flat(expected), dim=0)) > 0.99
+
+
+def packed_and_padded(lengths: list[int], vocab: int) -> tuple[Any, Any, list[Any]]:
+    """Random samples of these lengths (the first 3 tokens context), packed and padded."""
+    from turnrl.train.batch import TrainSample, collate, pack
+
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        mask = [0, 0, 0] + [1] * (n - 3)
+        samples.append(TrainSample(ids, mask, [0.0] * n, [float(m) for m in mask]))
+    return pack(samples), collate(samples, 0), samples
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "smollm2"])
+def test_packed_rows_give_each_sample_its_own_logprobs_and_gradients(
+    name: str, tiny_qwen3_dir: Path, smollm2: Any
+) -> None:
+    """Samples end to end in one row (positions restarting at 0, no attention mask) give the same
+    logprobs and gradients as padded rows: nothing leaks across a seam (Qwen3 and Llama)."""
+    model = load_model(str(tiny_qwen3_dir)) if name == "tiny-qwen3" else smollm2
+    packed, padded, samples = packed_and_padded([9, 17, 5, 12], model.config.vocab_size)
+    assert packed.input_ids_B_T.shape == (1, 43) and padded.input_ids_B_T.shape == (4, 17)
+    assert packed.position_ids_B_T is not None and packed.position_ids_B_T[0, 9:12].tolist() == [0, 1, 2]
+    out = {}
+    for kind, b in (("packed", packed), ("padded", padded)):
+        logp = token_logprobs(
+            model,
+            b.input_ids_B_T,
+            b.attention_mask_B_T,
+            b.loss_mask_B_T > 0,
+            position_ids_B_T=b.position_ids_B_T,
+        )
+        (-(logp * b.loss_mask_B_T).sum()).backward()
+        out[kind] = (logp[b.loss_mask_B_T > 0], grads(model))
+    assert torch.allclose(out["packed"][0], out["padded"][0], atol=1e-4)
+    for key, grad in out["padded"][1].items():
+        assert torch.allclose(out["packed"][1][key], grad, atol=1e-4, rtol=1e-3), key
+    lone = token_logprobs(model, torch.tensor([samples[1].input_ids]))  # the second sample alone
+    assert torch.allclose(out["packed"][0][6:20], lone[0, 3:].detach(), atol=1e-4)
+
+
+def test_a_packed_sample_must_start_with_context() -> None:
+    from turnrl.train.batch import TrainSample, batches_of, micro_batches, pack
+
+    with pytest.raises(ValueError, match="must start with a context token"):
+        pack([TrainSample([1, 2], [1, 1], [0.0, 0.0], [1.0, 1.0])])
+    samples = [TrainSample([1] * n, [0] + [1] * (n - 1), [0.0] * n, [1.0] * n) for n in (9, 7, 5, 3)]
+    assert [[len(s.input_ids) for s in g] for g in micro_batches(samples, 12, packed=True)] == [
+        [9],
+        [7, 5],
+        [3],
+    ]
+    assert [b.input_ids_B_T.shape[1] for b in batches_of(samples, 12, 0, packed=True)] == [9, 12, 3]
+    assert [tuple(b.input_ids_B_T.shape) for b in batches_of(samples, 12, 0, packed=False)] == [
+        (1, 9),
+        (1, 7),
+        (2, 5),
+    ]
+
+
+def test_auto_packs_only_where_attention_takes_variable_lengths(model: Any) -> None:
+    from types import SimpleNamespace
+
+    from turnrl.train.batch import packs
+
+    assert model.config._attn_implementation in ("sdpa", "eager") and not packs("auto", model)
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    assert packs("auto", flash) and packs(True, model) and not packs(False, flash)

@@ -165,7 +165,8 @@ def test_ctrl_c_stops_the_servers_turnrl_started(tmp_path: Path) -> None:
     need_vllm()
     out = tmp_path / "run"
     cli = [sys.executable, "-m", "turnrl.cli", "rollout", str(ROOT / "examples" / "guess_number.yaml")]
-    cli += ["--set", "engine.kind=vllm", "--set", "engine.max_model_len=2048", "--set", f"output_dir={out}"]
+    cli += ["--set", "model=smollm2-135m", "--set", "engine.kind=vllm", "--set", "engine.max_model_len=2048"]
+    cli += ["--set", f"output_dir={out}"]
     proc = subprocess.Popen(cli, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -252,6 +253,7 @@ def _guess_number(urls: list[str], output_dir: Path, prompts: int = 8) -> RunCon
     """examples/guess_number.yaml on running vLLM servers."""
     urls_list = "[" + ",".join(f'"{u}"' for u in urls) + "]"
     overrides = [
+        "model=smollm2-135m",  # the model the session's servers serve
         "engine.kind=vllm",
         f"engine.urls={urls_list}",
         f"output_dir={output_dir}",
@@ -313,6 +315,7 @@ async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_
 
     url = servers.servers[0].url
     overrides = [
+        "model=smollm2-135m",  # the model the session's servers serve
         "engine.kind=vllm",
         f'engine.urls=["{url}"]',
         f"output_dir={tmp_path / 'train'}",
@@ -355,6 +358,7 @@ async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_t
 
     url = servers.servers[0].url
     overrides = [
+        "model=smollm2-135m",  # the model the session's servers serve
         "engine.kind=vllm",
         f'engine.urls=["{url}"]',
         f"output_dir={tmp_path / 'train'}",

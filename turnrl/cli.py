@@ -48,12 +48,37 @@ def _resume_hint(args: argparse.Namespace, output_dir: str, holds_run: Callable[
     args.resume_hint = lambda: shlex.join(words) if holds_run(Path(output_dir)) else None
 
 
+def _demo_model_for(model: str, console: Console) -> None:
+    """Build the demo model once, before the first run that names it."""
+    from turnrl.models import SMOLLM2_PLAY
+
+    if model != SMOLLM2_PLAY:
+        return
+    from turnrl.train.demo_model import build_demo_model, is_built
+
+    if not is_built():
+        console.print(f"building {SMOLLM2_PLAY} once (a supervised warm start, a few minutes)")
+        build_demo_model(console.print)
+
+
+def _demo_model(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.models import SMOLLM2_PLAY
+    from turnrl.train.demo_model import build_demo_model, is_built
+
+    if is_built():
+        console.print(f"{SMOLLM2_PLAY} is built")
+    path = build_demo_model(console.print)
+    console.print(f"{SMOLLM2_PLAY}: {path}")
+    return 0
+
+
 def _rollout(args: argparse.Namespace, console: Console) -> int:
     from turnrl.app.run import SUMMARY, TRAJECTORIES, run
     from turnrl.config import load_config
     from turnrl.rollout.report import print_summary
 
     config = load_config(args.config, args.set)
+    _demo_model_for(config.model, console)
     if not (args.resume or args.overwrite):
         out = _fresh(config.output_dir, lambda p: (p / TRAJECTORIES).exists(), console)
         config = config.model_copy(update={"output_dir": out})
@@ -70,6 +95,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     from turnrl.train.data_parallel import launched_ranks
 
     config = load_train_config(args.config, args.set)
+    _demo_model_for(config.model, console)
     if not (args.resume or args.overwrite or launched_ranks() > 1):  # ranks must agree on the folder
         config = config.model_copy(update={"output_dir": _fresh(config.output_dir, holds_run, console)})
     _resume_hint(args, config.output_dir, holds_run)
@@ -83,6 +109,7 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     from turnrl.train.eval_run import EVAL_FILE, evaluate
 
     config = load_train_config(args.config, args.set)
+    _demo_model_for(config.model, console)
     out = evaluate(config, args.checkpoint, args.out, console)
     console.print(f"wrote {out / EVAL_FILE} and {Path(EVAL_FILE).with_suffix('.json').name}")
     return 0
@@ -181,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 instead")
     view.add_argument("--port", type=int, default=0, help="port for --serve (default: any free port)")
     view.set_defaults(func=_view)
+    demo = sub.add_parser(
+        "demo-model", help="build smollm2-135m-play: SmolLM2 warm-started on the example envs (offline)"
+    )
+    demo.set_defaults(func=_demo_model)
     cfg = sub.add_parser(
         "config", help="show a resolved config, and every key with its type, default and doc"
     )

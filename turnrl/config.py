@@ -358,7 +358,8 @@ class RunSections(Strict):
     """The sections every run shares (``turnrl rollout``, ``turnrl train``, the integrations)."""
 
     model: str
-    """HF id in the local cache, a local folder, or a shipped name: tiny-qwen3, smollm2-135m."""
+    """HF id in the local cache, a local folder, or a shipped name: tiny-qwen3, smollm2-135m,
+    smollm2-135m-play (SmolLM2 warm-started on the example envs, built once on first use)."""
     env: EnvConfig
     """The environment."""
     data: DataConfig = Field(default_factory=DataConfig)

@@ -78,6 +78,19 @@ class GuessNumberEnv(Env):
         return [_row(i, hi, rng.getrandbits(32), seed) for i in range(size)]
 
 
+def demonstration(sample: Sample) -> list[str]:
+    """The guesses of a bisection player, to the secret: at most ``ceil(log2(hi + 1))`` turns."""
+    hi = int(sample.metadata.get("hi", 20))
+    secret = secret_for(int(sample.metadata["seed"]), hi)
+    lo, guesses = 1, []
+    while True:
+        guess = (lo + hi) // 2
+        guesses.append(f"[{guess}]")
+        if guess == secret:
+            return guesses
+        lo, hi = (guess + 1, hi) if guess < secret else (lo, guess - 1)
+
+
 def _row(index: int, hi: int, game_seed: int, seed: int) -> dict[str, Any]:
     prompt: list[Message] = [
         {"role": "system", "content": SYSTEM_PROMPT},

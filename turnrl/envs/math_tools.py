@@ -8,6 +8,7 @@ same dataset object (cached per process) and calls its ``score_answer(answer, en
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -121,6 +122,16 @@ class MathToolEnv(ToolEnv):
             tasks = (tasks,)
         per_task = [_task_rows(task, size, seed) for task in tasks]
         return [row for group in zip(*per_task, strict=True) for row in group]
+
+
+def demonstration(sample: Sample) -> list[str]:
+    """A calculator call with the row's expression (reasoning-gym's ``basic_arithmetic``), then the
+    answer; rows without an expression have none (an empty list)."""
+    expression = (sample.metadata.get("entry") or {}).get("metadata", {}).get("expression")
+    if not expression:
+        return []
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    return [f"<tool_call>{call}</tool_call>", f"<answer>{sample.metadata['answer']}</answer>"]
 
 
 def _task_rows(task: str, size: int, seed: int) -> list[dict[str, Any]]:

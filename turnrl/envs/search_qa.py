@@ -9,6 +9,7 @@ module, else 0.0. Any JSONL corpus with rows of ``{"question", "answer"}`` works
 from __future__ import annotations
 
 import functools
+import json
 import random
 from collections import Counter
 from typing import Any
@@ -58,6 +59,14 @@ class SearchQAEnv(ToolEnv):
         ]
         picked = random.Random(seed).sample(unique, min(size, len(unique)))
         return [_row(i, seed, p.title, p.text) for i, p in enumerate(picked)]
+
+
+def demonstration(sample: Sample) -> list[str]:
+    """A search for the question's description, then the row's answer."""
+    question = str(sample.prompt[-1]["content"])
+    described = question.split('described as: "')[-1].rsplit('"', 1)[0]
+    call = json.dumps({"name": "search", "arguments": {"query": described}})
+    return [f"<tool_call>{call}</tool_call>", f"<answer>{sample.metadata['answer']}</answer>"]
 
 
 @functools.lru_cache(maxsize=16)

@@ -5,6 +5,7 @@ from turnrl.cache import cache_dir
 from turnrl.models.files import (
     QWEN3_EOS_IDS,
     SMOLLM2_135M,
+    SMOLLM2_PLAY,
     TINY_QWEN3,
     TINY_VLMS,
     ModelNotFoundError,
@@ -30,6 +31,7 @@ __all__ = [
     "QWEN3_EOS_IDS",
     "SMOLLM2_135M",
     "SMOLLM2_CHAT_TEMPLATE",
+    "SMOLLM2_PLAY",
     "TINY_QWEN3",
     "TINY_VLMS",
     "ModelNotFoundError",

@@ -14,6 +14,7 @@ from typing import Any
 TINY_QWEN3 = "tiny-qwen3"
 TINY_VLMS = ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl")  # see turnrl.models.tiny_vlm
 SMOLLM2_135M = "smollm2-135m"
+SMOLLM2_PLAY = "smollm2-135m-play"  # SmolLM2 warm-started on the example envs (turnrl demo-model)
 QWEN3_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 _TINY_FORMAT = 1  # bump when build_tiny_qwen3 writes something different
 _TINY_MARKER = "turnrl_tiny_model.json"

@@ -18,6 +18,7 @@ from turnrl.models.files import (
     _TOKENIZER_FILES,
     QWEN3_EOS_IDS,
     SMOLLM2_135M,
+    SMOLLM2_PLAY,
     TINY_QWEN3,
     TINY_VLMS,
     ModelNotFoundError,
@@ -115,6 +116,13 @@ def resolve_model(spec: str) -> ModelSpec:
     if spec == SMOLLM2_135M:
         gguf = smollm2_gguf_path()
         return ModelSpec(spec, str(gguf.parent), gguf.name, SMOLLM2_CHAT_TEMPLATE)
+    if spec == SMOLLM2_PLAY:
+        folder = cache_dir() / SMOLLM2_PLAY
+        if not (folder / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model {spec!r} is not built yet: `turnrl demo-model` builds it (a few minutes, offline)"
+            )
+        return ModelSpec(spec, str(folder))
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSpec(spec, str(path.parent), path.name)

@@ -195,6 +195,8 @@ class Batch:
     old_logprobs_B_T: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # filled by the trainer
     ref_logprobs_B_T: torch.Tensor | None = None  # filled by the trainer when a KL term is on
     multimodal: dict[str, torch.Tensor] = field(default_factory=dict)  # every row's images, row order
+    # packed: one row of several samples end to end, each numbered from 0 (None: padded rows)
+    position_ids_B_T: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -231,19 +233,70 @@ def collate(samples: Sequence[TrainSample], pad_id: int) -> Batch:
     )
 
 
-def micro_batches(samples: Sequence[TrainSample], max_tokens: int) -> list[list[TrainSample]]:
-    """Split samples, longest first, into groups whose padded size (rows x longest) fits ``max_tokens``.
+def pack(samples: Sequence[TrainSample]) -> Batch:
+    """One row: the samples end to end, no padding; ``position_ids`` restart at 0 for each, which
+    is how the model keeps them apart (a block-diagonal causal mask). A sample's first token is a
+    prompt token, never a loss token, so no logprob is taken across a seam."""
+    if not samples:
+        raise ValueError("cannot pack an empty list of samples")
+    if any(s.multimodal for s in samples):
+        raise ValueError("samples with images are collated in padded rows, not packed")
+    if any(s.loss_mask[0] for s in samples):
+        raise ValueError("a packed sample must start with a context token (loss mask 0)")
+    row = [collate([s], 0) for s in samples]
+    rollout = torch.cat([b.rollout_logprobs_B_T for b in row], 1)
+    return Batch(
+        input_ids_B_T=torch.cat([b.input_ids_B_T for b in row], 1),
+        attention_mask_B_T=torch.cat([b.attention_mask_B_T for b in row], 1),
+        loss_mask_B_T=torch.cat([b.loss_mask_B_T for b in row], 1),
+        rollout_logprobs_B_T=rollout,
+        advantages_B_T=torch.cat([b.advantages_B_T for b in row], 1),
+        old_logprobs_B_T=rollout.clone(),
+        position_ids_B_T=torch.cat([torch.arange(len(s.input_ids)) for s in samples])[None],
+    )
 
-    A sample longer than ``max_tokens`` gets a group of its own.
-    """
+
+def micro_batches(
+    samples: Sequence[TrainSample], max_tokens: int, packed: bool = False
+) -> list[list[TrainSample]]:
+    """Split samples, longest first, into groups that fit ``max_tokens``: their padded size (rows x
+    longest), or their total length when ``packed``. A sample longer than ``max_tokens`` gets a
+    group of its own."""
     ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
     out: list[list[TrainSample]] = []
+    size = 0
     for sample in ordered:
-        if out and len(out[-1][0].input_ids) * (len(out[-1]) + 1) <= max_tokens:
+        n = len(sample.input_ids)
+        grown = size + n if packed else (len(out[-1][0].input_ids) * (len(out[-1]) + 1) if out else n)
+        if out and grown <= max_tokens:
             out[-1].append(sample)
+            size = grown
         else:
             out.append([sample])
+            size = n
     return out
+
+
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
+
+
+def packs(setting: bool | str, model: Any) -> bool:
+    """Whether to pack: ``train.pack`` when true or false; ``auto`` packs where the model's attention
+    kernel takes variable lengths (flash attention, which reads the seams off ``position_ids``).
+    Elsewhere (SDPA, eager: CPUs) a packed row attends over its whole length under a block mask,
+    quadratic in the packed length, so length-sorted padded rows are cheaper."""
+    if isinstance(setting, bool):
+        return setting
+    implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+    return implementation.startswith(VARLEN_ATTENTION)
+
+
+def batches_of(samples: Sequence[TrainSample], max_tokens: int, pad_id: int, packed: bool) -> list[Batch]:
+    """The micro-batches of ``samples``: packed rows when ``packed`` (samples with images are
+    always padded rows), else right-padded ones."""
+    if packed and not any(s.multimodal for s in samples):
+        return [pack(part) for part in micro_batches(samples, max_tokens, packed=True)]
+    return [collate(part, pad_id) for part in micro_batches(samples, max_tokens)]
 
 
 def step_prompts(samples: list[Sample], per_step: int, step: int, seed: int) -> list[Sample]:

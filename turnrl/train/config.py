@@ -138,7 +138,10 @@ class TrainLoopConfig(_Strict):
     prompts_per_step: int = Field(8, ge=1)  # groups per step
     ppo_epochs: int = Field(1, ge=1)  # passes over each batch
     mini_batches: int = Field(1, ge=1)  # optimizer steps per pass (at most one per micro-batch)
-    micro_batch_tokens: int = Field(4096, ge=1)  # padded tokens per forward/backward
+    micro_batch_tokens: int = Field(4096, ge=1)  # tokens per forward/backward (padding included)
+    # samples end to end in one row, no padding (text models; images always go in padded rows);
+    # auto: where the attention kernel takes variable lengths (flash attention), else padded rows
+    pack: bool | Literal["auto"] = "auto"
     logprob_chunk: int = Field(256, ge=1)  # positions projected through lm_head at a time
     # bfloat16: the policy's forward and backward under bfloat16 autocast (mixed precision: weights,
     # optimizer state and the vocabulary projection stay float32)

@@ -95,6 +95,7 @@ def token_logprobs(
     chunk_size: int = 256,
     multimodal: Mapping[str, torch.Tensor] | None = None,
     autocast: torch.dtype | None = None,
+    position_ids_B_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``logprobs_B_T[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``.
 
@@ -106,6 +107,8 @@ def token_logprobs(
     runs the model body under autocast (mixed precision: float32 weights, bfloat16 products) and
     the vocabulary projection's products on a bfloat16 copy of ``lm_head``; the log-softmax, the
     returned logprobs and every gradient stay float32.
+    ``position_ids_B_T`` marks packed rows (several sequences end to end, each numbered from 0):
+    the attention mask is then left out, and the model keeps each sequence to itself.
     """
     _check_plain_head(model)
     batch, length = input_ids_B_T.shape
@@ -117,7 +120,12 @@ def token_logprobs(
     want_B_S = want_B_T[:, 1:]  # S = T - 1: the hidden state at s predicts the token at s + 1
     device = input_ids_B_T.device.type
     with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        hidden_B_T_H = _hidden_states(model, input_ids_B_T, attention_mask_B_T, multimodal)
+        if position_ids_B_T is not None:  # packed: the positions' restarts are the only separators
+            body: Any = model.get_decoder()
+            out = body(input_ids=input_ids_B_T, position_ids=position_ids_B_T, use_cache=False)
+            hidden_B_T_H = out.last_hidden_state
+        else:
+            hidden_B_T_H = _hidden_states(model, input_ids_B_T, attention_mask_B_T, multimodal)
     hidden_N_H = hidden_B_T_H[:, :-1][want_B_S]
     targets_N = input_ids_B_T[:, 1:][want_B_S]
     head = model.get_output_embeddings()

@@ -24,7 +24,7 @@ from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.registry import resolve_env
 from turnrl.imports import import_object
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
-from turnrl.train.batch import build_samples, collate, micro_batches
+from turnrl.train.batch import batches_of, build_samples, packs
 from turnrl.train.config import TrainConfig
 from turnrl.train.data_parallel import clip_gradients
 from turnrl.train.logprobs import token_logprobs
@@ -70,10 +70,12 @@ def sft_epochs(
     on_step: Callable[[], None] | None = None,
     forward: Callable[..., torch.Tensor] | None = None,
     grad_scale: float = 1.0,
+    packed: bool = False,
 ) -> list[float]:
     """AdamW on the token-mean negative log-likelihood of the model tokens; the loss of each step.
     ``forward`` computes the logprobs (default ``token_logprobs`` of ``model``; a sharded policy's
-    root under FSDP); each loss is multiplied by ``grad_scale`` before its backward pass."""
+    root under FSDP); each loss is multiplied by ``grad_scale`` before its backward pass; ``packed``:
+    micro-batches as packed rows (see ``batches_of``)."""
     logprobs = forward or functools.partial(token_logprobs, model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -84,8 +86,8 @@ def sft_epochs(
         order = list(samples)
         rng.shuffle(order)
         for start in range(0, len(order), batch_size):
-            groups = micro_batches(order[start : start + batch_size], micro_batch_tokens)
-            batches = [collate(group, 0).to(model.device) for group in groups]
+            parts = batches_of(order[start : start + batch_size], micro_batch_tokens, 0, packed)
+            batches = [b.to(model.device) for b in parts]
             tokens = float(sum(b.num_tokens for b in batches))
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
@@ -97,6 +99,7 @@ def sft_epochs(
                     mask > 0,
                     chunk_size=chunk_size,
                     multimodal=b.multimodal,
+                    position_ids_B_T=b.position_ids_B_T,
                 )
                 loss = -(logp * mask).sum() / tokens
                 (loss * grad_scale).backward()
@@ -147,6 +150,7 @@ async def warm_start(
         on_step=progress.advance if progress is not None else None,
         forward=forward,
         grad_scale=grad_scale,
+        packed=packs(config.train.pack, model),
     )
     return {
         "warm_start/demos": len(trajs),

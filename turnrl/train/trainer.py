@@ -48,9 +48,9 @@ from turnrl.rollout.loop import RolloutSpec
 from turnrl.train.advantages import compute_advantages, groups
 from turnrl.train.batch import (
     Batch,
+    batches_of,
     build_samples,
-    collate,
-    micro_batches,
+    packs,
     step_prompts,
     step_seed,
     unexpected_versions,
@@ -214,6 +214,7 @@ def _logprobs(run: Run, model: Any, batch: Batch) -> torch.Tensor:
         chunk_size=config.train.logprob_chunk,
         multimodal=batch.multimodal,
         autocast=torch.bfloat16 if config.train.precision == "bfloat16" else None,
+        position_ids_B_T=batch.position_ids_B_T,
     )
 
 
@@ -333,8 +334,10 @@ async def learn(
     tokens, trained = int(everyone[0]), int(everyone[1])
     metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
     if trained:
-        parts = micro_batches(samples, cfg.train.micro_batch_tokens)
-        batches = [collate(part, _pad_id(run)).to(run.policy.device) for part in parts]
+        parts = batches_of(
+            samples, cfg.train.micro_batch_tokens, _pad_id(run), packs(cfg.train.pack, run.policy)
+        )
+        batches = [part.to(run.policy.device) for part in parts]
         metrics |= await asyncio.to_thread(_update, run, batches, tokens)
     if run.ranks.distributed and run.sharded is None:  # under FSDP each weight lives on one rank
         metrics["dist/param_spread"] = param_spread(run.policy, run.ranks)
