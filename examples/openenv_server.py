@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 from uuid import uuid4
 
@@ -55,6 +56,8 @@ class GuessEnvironment(Environment):
 
     def step(self, action: Action, timeout_s: float | None = None, **kwargs: Any) -> Observation:
         assert isinstance(action, GuessAction)
+        if action.message.startswith("slowly"):  # a step that takes a while (for timeouts)
+            time.sleep(2)
         self._state.step_count += 1
         digits = "".join(c for c in action.message if c.isdigit())
         if not digits:

@@ -5,6 +5,7 @@ a per-trajectory ``env_error`` with the reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -170,6 +171,19 @@ async def test_unreachable_failing_and_dying_servers_end_trajectories_with_the_r
         assert dead.stop_reason is StopReason.ENV_ERROR and dead.error is not None, kind
         assert "closed the session during step" in dead.error and dead.num_turns == 2, dead.error
         stop(proc)
+
+
+async def test_a_step_cut_off_by_the_env_timeout_ends_the_episode(
+    guess_url: str, qwen3_tokenizer: Any
+) -> None:
+    """A step the rollout stops waiting for (``env_timeout_s``) may still be answered later; that
+    answer must not pass for the next step's, so the episode ends there, with the reason."""
+    run = spec(qwen3_tokenizer, {"url": guess_url}, ["[10]", "slowly [5]", "[7]"])
+    run = dataclasses.replace(run, limits=Limits(max_turns=4, env_timeout_s=0.5))
+    (traj,) = await collect(samples(1), run)
+    assert traj.stop_reason is StopReason.ENV_ERROR and traj.num_turns == 2, traj.error
+    assert traj.error is not None and "was cut off (env_timeout_s) before its answer" in traj.error
+    assert traj.messages[3]["content"] == "Lower."  # the first step's answer, in its place
 
 
 async def test_episodes_go_to_the_least_busy_replica() -> None:

@@ -104,9 +104,13 @@ class OpenEnvSession:
         ws, self._ws = self._ws, None
         if ws is None:
             return
-        with contextlib.suppress(Exception):  # a server already gone needs no goodbye
-            await ws.send(json.dumps({"type": "close"}))
-        await ws.close()
+        try:
+            if self.broken is None:  # a session out of step (or gone) gets no goodbye
+                with contextlib.suppress(Exception):
+                    await ws.send(json.dumps({"type": "close"}))
+                    await ws.close()
+        finally:  # also when the close itself is cut off: the socket never outlives the episode
+            ws.transport.abort()
 
     async def _connect(self) -> None:
         from websockets.asyncio.client import connect
@@ -137,6 +141,12 @@ class OpenEnvSession:
             except ConnectionClosed as e:
                 self.broken = OpenEnvError(f"OpenEnv server {self.url} closed the session during {what}: {e}")
                 raise self.broken from None
+            except asyncio.CancelledError:  # its answer may still come and would answer the next request
+                self.broken = OpenEnvError(
+                    f"OpenEnv server {self.url}: {what} was cut off (env_timeout_s) before its answer; "
+                    "the session is out of step, so the episode ends"
+                )
+                raise
         reply = dict(json.loads(raw))
         if (
             raise_errors
