@@ -29,32 +29,40 @@ def turnrl(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def play_model() -> Path:
-    result = turnrl("demo-model")  # builds it once per machine (a few minutes), else says it is built
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert demo_model.is_built() and (demo_model.demo_model_dir() / "model.safetensors").is_file()
-    return demo_model.demo_model_dir()
-
-
-def run_example(name: str, out: Path, *overrides: str) -> list[dict[str, Any]]:
+def run_example(name: str, out: Path, *overrides: str) -> tuple[list[dict[str, Any]], str]:
     sets = [w for o in (f"output_dir={out}", *overrides) for w in ("--set", o)]
     result = turnrl("rollout", f"examples/{name}.yaml", *sets)
     assert result.returncode == 0, result.stderr[-2000:]
-    return [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    return trajs, result.stderr
 
 
-def test_the_demo_model_finishes_guessing_games(play_model: Path, tmp_path: Path) -> None:
-    trajs = run_example("guess_number", tmp_path / "guess")  # the example as shipped: 8 games x 2
+@pytest.fixture(scope="module")
+def guess_games(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The guess_number example as a new user runs it: on a new machine this first run builds the
+    demo model (a few minutes), later runs find it built."""
+    trajs, said = run_example("guess_number", tmp_path_factory.mktemp("guess"))
+    assert demo_model.is_built() and (demo_model.demo_model_dir() / "model.safetensors").is_file()
+    assert "building smollm2-135m-play once" in said or "demo model:" not in said
+    return trajs
+
+
+def test_the_demo_model_finishes_guessing_games(guess_games: list[dict[str, Any]]) -> None:
+    trajs = guess_games  # the example as shipped: 8 games x 2
     stops = [t["stop_reason"] for t in trajs]
     assert len(trajs) == 16 and stops.count("env_done") >= 8 and stops.count("length") <= 2, stops
     assert sum(t["reward"] for t in trajs) / len(trajs) >= 0.3
     assert max(t["num_turns"] for t in trajs) >= 3 and all(t["metrics"]["check/ok"] for t in trajs)
 
 
-def test_the_demo_model_calls_its_tools_before_answering(play_model: Path, tmp_path: Path) -> None:
+def test_the_cli_builds_the_demo_model_once(guess_games: list[dict[str, Any]]) -> None:
+    result = turnrl("demo-model")
+    assert result.returncode == 0 and "smollm2-135m-play is built" in result.stderr, result.stderr[-2000:]
+
+
+def test_the_demo_model_calls_its_tools_before_answering(guess_games: Any, tmp_path: Path) -> None:
     for name, size in (("math_tools", "data.kwargs.size=2"), ("search_qa", "data.kwargs.size=4")):
-        trajs = run_example(name, tmp_path / name, size)  # math: 2 arithmetic + 2 word problems
+        trajs, _ = run_example(name, tmp_path / name, size)  # math: 2 arithmetic + 2 word problems
         called = [t for t in trajs if t["info"].get("num_tool_calls", 0) > 0]
         assert len(called) >= 6, (name, [t["messages"][-1]["content"] for t in trajs])
         answered = [t for t in called if "<answer>" in t["messages"][-1]["content"]]
