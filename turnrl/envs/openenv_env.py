@@ -69,7 +69,7 @@ class OpenEnvSession:
         pause = 0.1
         while True:
             await self._connect()
-            reply = await self._exchange({"type": "reset", "data": reset}, raise_errors=False)
+            reply = await self._exchange({"type": "reset", "data": reset})
             if reply.get("type") != "error" or reply.get("data", {}).get("code") != "CAPACITY_REACHED":
                 return self._data(reply, "reset")
             await self.close()
@@ -120,7 +120,9 @@ class OpenEnvSession:
         except (OSError, TimeoutError) as e:
             raise OpenEnvError(f"cannot reach the OpenEnv server at {self.url}: {e}") from e
 
-    async def _exchange(self, message: dict[str, Any], raise_errors: bool = True) -> dict[str, Any]:
+    async def _exchange(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send one request, return its reply as it came (an error reply too); a lost, silent or
+        cut-off session raises and marks the session broken."""
         from websockets.exceptions import ConnectionClosed
 
         if self.broken is not None:  # a step is not retried on a lost session: the episode is over
@@ -147,19 +149,16 @@ class OpenEnvSession:
                     "the session is out of step, so the episode ends"
                 )
                 raise
-        reply = dict(json.loads(raw))
-        if (
-            raise_errors
-            and reply.get("type") == "error"
-            and reply.get("data", {}).get("code") != "VALIDATION_ERROR"
-        ):
-            raise OpenEnvError(f"OpenEnv server {self.url} refused {what}: {_error_text(reply)}")
-        return reply
+        return dict(json.loads(raw))
 
     def _data(self, reply: dict[str, Any], what: str) -> dict[str, Any]:
-        if reply.get("type") == "error" and what != "step":
-            raise OpenEnvError(f"OpenEnv server {self.url} refused {what}: {_error_text(reply)}")
-        return reply if reply.get("type") == "error" else dict(reply.get("data") or {})
+        """The reply's data; an error reply raises, but a step's rejected action (a validation
+        error: the model's fault, said to it) is returned as it came."""
+        if reply.get("type") != "error":
+            return dict(reply.get("data") or {})
+        if what == "step" and reply.get("data", {}).get("code") == "VALIDATION_ERROR":
+            return reply
+        raise OpenEnvError(f"OpenEnv server {self.url} refused {what}: {_error_text(reply)}")
 
 
 def _error_text(reply: dict[str, Any]) -> str:

@@ -264,16 +264,16 @@ def micro_batches(
     group of its own."""
     ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
     out: list[list[TrainSample]] = []
-    size = 0
     for sample in ordered:
-        n = len(sample.input_ids)
-        grown = size + n if packed else (len(out[-1][0].input_ids) * (len(out[-1]) + 1) if out else n)
-        if out and grown <= max_tokens:
-            out[-1].append(sample)
-            size = grown
+        group = out[-1] if out else []
+        if packed:  # total length
+            size = sum(len(s.input_ids) for s in group) + len(sample.input_ids)
+        else:  # rows x the longest, which is the group's first (longest first)
+            size = len(group[0].input_ids) * (len(group) + 1) if group else 0
+        if group and size <= max_tokens:
+            group.append(sample)
         else:
             out.append([sample])
-            size = n
     return out
 
 

@@ -5,7 +5,7 @@ The base model rarely plays them: it talks past guess_number's brackets until ``
 never calls math_tools' calculator or search_qa's search. The build replays demonstrations through
 the real envs (a bisecting guesser; a calculator call on reasoning-gym's ``basic_arithmetic``, then
 the answer; a search for the question's description, then the module), keeps those the env rewards,
-trains every weight on them (``sft_epochs``, next-token loss on the model turns only) and saves the
+trains the top layers on them (``sft_epochs``, next-token loss on the model turns only) and saves the
 model with SmolLM2's chat template into the turnrl cache. Offline and deterministic; the
 demonstrated prompts are drawn with other seeds than the examples' (search questions that the
 examples ask are left out), so the examples stay held out.

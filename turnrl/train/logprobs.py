@@ -120,12 +120,7 @@ def token_logprobs(
     want_B_S = want_B_T[:, 1:]  # S = T - 1: the hidden state at s predicts the token at s + 1
     device = input_ids_B_T.device.type
     with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        if position_ids_B_T is not None:  # packed: the positions' restarts are the only separators
-            body: Any = model.get_decoder()
-            out = body(input_ids=input_ids_B_T, position_ids=position_ids_B_T, use_cache=False)
-            hidden_B_T_H = out.last_hidden_state
-        else:
-            hidden_B_T_H = _hidden_states(model, input_ids_B_T, attention_mask_B_T, multimodal)
+        hidden_B_T_H = _hidden_states(model, input_ids_B_T, attention_mask_B_T, multimodal, position_ids_B_T)
     hidden_N_H = hidden_B_T_H[:, :-1][want_B_S]
     targets_N = input_ids_B_T[:, 1:][want_B_S]
     head = model.get_output_embeddings()
@@ -150,8 +145,16 @@ def _hidden_states(
     input_ids_B_T: torch.Tensor,
     attention_mask_B_T: torch.Tensor | None,
     multimodal: Mapping[str, torch.Tensor] | None,
+    position_ids_B_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The last hidden states; with images, through the vision-language body with multimodal RoPE."""
+    """The last hidden states; with images, through the vision-language body with multimodal RoPE;
+    packed rows (``position_ids_B_T``) without an attention mask: the positions' restarts are the
+    only separators."""
+    if position_ids_B_T is not None:
+        packed: Any = model.get_decoder()
+        return packed(
+            input_ids=input_ids_B_T, position_ids=position_ids_B_T, use_cache=False
+        ).last_hidden_state
     if not multimodal:
         body: Any = model.get_decoder()
         return body(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T).last_hidden_state
