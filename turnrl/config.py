@@ -188,6 +188,9 @@ class VLLMEngineConfig(_ClientConfig):
     """How long started servers may take to become healthy."""
     weights_dir: str | None = None
     """Where weight updates are written for the servers to load (a folder they can read; None: a temp one)."""
+    refresh_tied_weights: bool | None = None
+    """After each reload, refresh a tied output layer's packed copy (vLLM's CPU build keeps it stale)
+    through turnrl's worker extension; None: on for servers turnrl starts, off for urls."""
     request_params: dict[str, Any] = Field(default_factory=dict)
     """More fields for every request, e.g. {repetition_penalty: 1.1, min_p: 0.05} (turnrl's own win)."""
     in_process: bool = False

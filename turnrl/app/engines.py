@@ -98,11 +98,13 @@ def vllm_engine(
     seed: int = 0,
 ) -> Engine:
     """Clients for vLLM servers: ``e.urls``, else ``e.servers`` servers started here for ``model``
-    (stopped when the engine closes); several go behind the balancer."""
+    (stopped when the engine closes); several go behind the balancer. A VLM's turns with images
+    go to vLLM's token-in generate endpoint, which its managed servers enable (``--enable-scale-out``)."""
     from turnrl.engines.managed import ManagedEngine
     from turnrl.engines.process import launch_all
     from turnrl.engines.vllm_server import servers_for
 
+    vision = load_vision_processor(model, tokenizer)
     servers = []
     urls = list(e.urls)
     if not urls:
@@ -117,7 +119,7 @@ def vllm_engine(
                 dtype=e.dtype,
                 kv_cache_gib=e.kv_cache_gib,
                 seed=seed,
-                args=e.server_args,
+                args={"enable_scale_out": True} | e.server_args if vision else e.server_args,
             )
         )
         started = time.monotonic()
@@ -128,12 +130,16 @@ def vllm_engine(
 
         launch_all(servers, e.start_timeout_s, waiting)
         urls = [s.url for s in servers]
-    engine = _vllm_clients(e, stop_token_ids(model, tokenizer), urls)
+    image_token = vision.image_token_id if vision else None
+    engine = _vllm_clients(e, stop_token_ids(model, tokenizer), urls, image_token, managed=bool(servers))
     return ManagedEngine(engine, servers) if servers else engine
 
 
-def _vllm_clients(e: VLLMEngineConfig, eos: list[int], urls: list[str]) -> Engine:
-    """One streaming client per server; several behind the balancer, sharing one weights folder."""
+def _vllm_clients(
+    e: VLLMEngineConfig, eos: list[int], urls: list[str], image_token: int | None, *, managed: bool
+) -> Engine:
+    """One streaming client per server; several behind the balancer, sharing one weights folder.
+    Servers turnrl started (``managed``) run its worker extension; others when the config says so."""
     from turnrl.engines.balancer import BalancedEngine
     from turnrl.engines.vllm import VLLMServerEngine
 
@@ -148,6 +154,8 @@ def _vllm_clients(e: VLLMEngineConfig, eos: list[int], urls: list[str]) -> Engin
             retry_budget_s=e.retry_budget_s,
             weights_dir=e.weights_dir,
             request_params=e.request_params,
+            image_token_id=image_token,
+            refresh_tied_weights=managed if e.refresh_tied_weights is None else e.refresh_tied_weights,
         )
         for url in urls
     ]

@@ -29,8 +29,7 @@ import httpx
 
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present, require
 from turnrl.types import EngineError, Generation, SamplingParams, Weights
-from turnrl.vision.content import data_url, load_image
-from turnrl.vision.processor import ImageInput
+from turnrl.vision.processor import image_url
 
 
 def sampling_params(sampling: SamplingParams) -> dict[str, Any]:
@@ -66,15 +65,6 @@ def generate_payload(
     if images:
         body["image_data"] = [image_url(image) for image in images]
     return body
-
-
-def image_url(image: Any) -> str:
-    """An image as SGLang's ``image_data`` takes it: a data URL (PNG, lossless), a URL or a path."""
-    if isinstance(image, str):
-        return image
-    if isinstance(image, ImageInput):
-        return image.data_url
-    return data_url(load_image(image))
 
 
 def parse_generate(answer: Any) -> tuple[list[int], list[float], str | None, dict[str, Any]]:

@@ -6,12 +6,22 @@ moment. :meth:`VLLMServerEngine.abort_all` asks the server to abort everything i
 (``/abort_requests``, a dev-mode endpoint): each stream ends with finish_reason "abort" and
 the tokens it got so far, which partial rollout continues from after a weight update.
 
+Turns with images (vision-language models) stream ``/inference/v1/generate`` instead (the
+server must run with ``--enable-scale-out``; managed servers of a VLM do): the prompt goes as
+token ids with one image token per image, the images as PNG data URLs (``content_parts``);
+vLLM's processor expands each image token into the image's tokens, as turnrl's own processor
+did, and the prompt vLLM reports back (``return_token_ids``) must equal turnrl's token for
+token, or the generation fails instead of training on tokens the server did not condition on.
+
 Weight updates (:meth:`VLLMServerEngine.update_weights`) use vLLM's own in-place reload: the
 weights are written once as safetensors into a folder the server can read (a state dict is
 saved into ``weights_dir``; a folder is used as it is), then ``/pause`` (in-flight requests
 finish on the old weights), ``/collective_rpc reload_weights`` (every worker loads the folder
 in place), ``/reset_prefix_cache`` (no KV computed by the old weights is reused),
-``/update_weight_version`` and ``/resume``. Tokens carry the weight version they were sampled
+``/update_weight_version`` and ``/resume``. Servers that turnrl started also run its worker
+extension's ``refresh_tied_weights`` right after the reload: vLLM's CPU build keeps a packed copy
+of a tied ``lm_head`` that the in-place reload does not refresh (measured: a GRPO step's ratio off
+by up to 5% on the tiny Qwen2-VL without it). Tokens carry the weight version they were sampled
 with (``Generation.versions``): the engine's version is bumped before ``/resume``, and nothing
 is sampled while the server is paused, so the stamp is exact.
 
@@ -32,6 +42,7 @@ import httpx
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present
 from turnrl.engines.openai import completion_payload
 from turnrl.types import EngineError, Generation, SamplingParams, Weights
+from turnrl.vision.processor import image_url
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -56,6 +67,74 @@ def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
     return out
 
 
+def one_token_per_image(prompt_ids: Sequence[int], images: Sequence[Any], image_token_id: int) -> list[int]:
+    """``prompt_ids`` with each image's run of image tokens cut to one (the prompt vLLM expands).
+
+    ``images[k].num_tokens`` is the run the k-th image takes (``ImageInput``); a prompt whose runs
+    do not match its images is refused.
+    """
+    out: list[int] = []
+    k = i = 0
+    while i < len(prompt_ids):
+        token = int(prompt_ids[i])
+        out.append(token)
+        if token != image_token_id:
+            i += 1
+            continue
+        if k >= len(images):
+            raise RequestError(f"the prompt has more image-token runs than its {len(images)} image(s)")
+        need = int(getattr(images[k], "num_tokens", 0))
+        if need < 1 or list(prompt_ids[i : i + need]) != [image_token_id] * need:
+            raise RequestError(f"image {k} needs a run of {need} image tokens in the prompt; it is not there")
+        i += need
+        k += 1
+    if k != len(images):
+        raise RequestError(f"the prompt has {k} image-token run(s) for {len(images)} image(s)")
+    return out
+
+
+def vision_payload(
+    prompt_ids: Sequence[int],
+    sampling: SamplingParams,
+    images: Sequence[Any],
+    image_token_id: int,
+    request_params: Mapping[str, Any],
+    model: str | None,
+) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` body of a turn with images; ``request_params`` are sampling fields."""
+    params: dict[str, Any] = {
+        "max_tokens": sampling.max_tokens,
+        "temperature": max(sampling.temperature, 0.0),
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "n": 1,
+        "logprobs": 0,
+        "skip_special_tokens": False,
+    }
+    if sampling.seed is not None:
+        params["seed"] = sampling.seed
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    body: dict[str, Any] = {
+        "token_ids": one_token_per_image(prompt_ids, images, image_token_id),
+        "content_parts": [{"type": "image_url", "url": image_url(image)} for image in images],
+        "sampling_params": dict(request_params) | params,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    if model:
+        body["model"] = model
+    return body
+
+
+def event_logprobs(choice: Mapping[str, Any]) -> list[float]:
+    """The sampled tokens' logprobs of one streamed choice (completions' or generate's shape)."""
+    logprobs = choice.get("logprobs") or {}
+    if "content" in logprobs:
+        return [float(entry["logprob"]) for entry in logprobs["content"] or ()]
+    return [float(v) for v in logprobs.get("token_logprobs") or ()]
+
+
 def scratch_weights_dir() -> Path:
     """A new folder for weight updates, in shared memory when there is some (the caller removes it)."""
     shm = Path("/dev/shm")
@@ -78,13 +157,17 @@ class VLLMServerEngine:
         retry_budget_s: float = 600.0,
         weights_dir: str | Path | None = None,
         request_params: Mapping[str, Any] | None = None,
+        image_token_id: int | None = None,
+        refresh_tied_weights: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         """``base_url`` is the server root; ``weights_dir`` is where a state dict given to
         :meth:`update_weights` is written (a folder the server can read; default: a new temporary
         folder, in ``/dev/shm`` when there is one); ``request_params`` go with every request
         (vLLM's sampling fields such as ``repetition_penalty``, ``min_p`` or ``structured_outputs``;
-        the fields turnrl sets itself win)."""
+        the fields turnrl sets itself win); ``image_token_id``: the VLM's image token, for turns
+        with images; ``refresh_tied_weights``: the server runs turnrl's worker extension (servers
+        turnrl starts do), called after each reload."""
         root = base_url.rstrip("/")
         root = root[: -len("/v1")] if root.endswith("/v1") else root
         retry = RetryPolicy(max_retries=max_retries, budget_s=retry_budget_s)
@@ -95,6 +178,8 @@ class VLLMServerEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.request_params = dict(request_params or {})
+        self.image_token_id = image_token_id
+        self.refresh_tied_weights = refresh_tied_weights
         self._own_weights_dir = False
         self._version = 0
         self.in_flight = 0  # generations waiting on the server now
@@ -118,27 +203,27 @@ class VLLMServerEngine:
         *,
         session: str | None = None,
     ) -> Generation:
-        """Sample a continuation of ``prompt_ids``; ``session`` is accepted for the balancer and unused."""
-        if images:
-            raise RequestError("VLLMServerEngine sends token ids to /v1/completions, which takes no images")
+        """Sample a continuation of ``prompt_ids`` (``images``: the trajectory's images so far, in
+        prompt order); ``session`` is accepted for the balancer and unused."""
         if not prompt_ids:
             raise RequestError("empty prompt")
-        body = self.request_params | completion_payload("vllm", prompt_ids, sampling, self.model)
-        body["stream"] = True
+        path, body = self._request(prompt_ids, sampling, images)
         ids: list[int] = []
         logprobs: list[float] = []
         reason: str | None = None
         info: dict[str, Any] = {"server": self.base_url}
         self.in_flight += 1
         try:
-            async for event in self._client.events("/v1/completions", body):
+            async for event in self._client.events(path, body):
+                if images and "prompt_token_ids" in event:
+                    self._check_prompt(prompt_ids, event["prompt_token_ids"])
                 choice = present(
                     (event.get("choices") or [None])[0], f"{self.base_url}: an event has no choice"
                 )
                 new = [int(t) for t in choice.get("token_ids") or ()]
                 ids += new
                 self.tokens_received += len(new)
-                logprobs += [float(v) for v in (choice.get("logprobs") or {}).get("token_logprobs") or ()]
+                logprobs += event_logprobs(choice)
                 reason = choice.get("finish_reason") or reason
                 if choice.get("stop_reason") is not None:
                     info["stop_reason"] = choice["stop_reason"]
@@ -152,6 +237,32 @@ class VLLMServerEngine:
         gen = finish(ids, logprobs, reason, stop_ids, info, eos_known=bool(self.eos_token_ids))
         gen.versions = [version] * len(gen.token_ids)
         return gen
+
+    def _request(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Sequence[Any]
+    ) -> tuple[str, dict[str, Any]]:
+        """The endpoint and streamed body of one generation: completions for text, generate for images."""
+        if not images:
+            body = self.request_params | completion_payload("vllm", prompt_ids, sampling, self.model)
+            return "/v1/completions", body | {"stream": True}
+        if self.image_token_id is None:
+            raise RequestError(f"{self.base_url}: a turn with images needs the model's image token id")
+        body = vision_payload(
+            prompt_ids, sampling, images, self.image_token_id, self.request_params, self.model
+        )
+        return "/inference/v1/generate", body
+
+    def _check_prompt(self, sent: Sequence[int], conditioned: Sequence[int]) -> None:
+        """Refuse a generation whose prompt, as vLLM expanded its images, is not turnrl's."""
+        if [int(t) for t in conditioned] != [int(t) for t in sent]:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(sent, conditioned, strict=False)) if a != b),
+                min(len(sent), len(conditioned)),
+            )
+            raise RequestError(
+                f"{self.base_url}: vLLM's prompt differs from turnrl's at token {at} ({len(conditioned)} vs "
+                f"{len(sent)} tokens): its image processor expands the images differently"
+            )
 
     async def abort_all(self) -> None:
         """Abort every request on the server; each stream returns its tokens with finish "abort"."""
@@ -171,6 +282,8 @@ class VLLMServerEngine:
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}
             await self._client.post("/collective_rpc", rpc, timeout_s=max(self._client.timeout_s, 600.0))
+            if self.refresh_tied_weights:
+                await self._client.post("/collective_rpc", {"method": "refresh_tied_weights"})
             await self._client.post("/reset_prefix_cache", {})
             await self._client.post("/update_weight_version", {"new_version": str(new)})
             self._version = new  # before /resume: every token after it is sampled by the new weights

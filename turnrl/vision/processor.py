@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from turnrl.vision.content import data_url, load_image
+
 if TYPE_CHECKING:
     import torch
 
@@ -39,10 +41,18 @@ class ImageInput:
     def data_url(self) -> str:
         """The image as a PNG data URL, encoded once (server engines send it every turn)."""
         if self._url is None:
-            from turnrl.vision.content import data_url
-
             self._url = data_url(self.image)
         return self._url
+
+
+def image_url(image: Any) -> str:
+    """An image as servers take it: a data URL (PNG, lossless; an ``ImageInput``'s own, encoded
+    once), or a string (URL, path, data URL) passed through as given."""
+    if isinstance(image, str):
+        return image
+    if isinstance(image, ImageInput):
+        return image.data_url
+    return data_url(load_image(image))
 
 
 @dataclass
