@@ -63,19 +63,26 @@ def client(url: str, vlm: tuple[Any, VisionProcessor], **kwargs: Any) -> VLLMSer
     )
 
 
-def vlm_logprobs(model: Any, traj: Trajectory, image_token_id: int) -> torch.Tensor:
-    """Logprobs of every response token from one transformers forward pass with all the images."""
-    ids = torch.tensor([traj.input_ids])
-    mm = traj.multimodal_inputs
+def vlm_logprobs(model: Any, ids: list[int], mm: dict[str, Any], start: int) -> torch.Tensor:
+    """Logprobs of ``ids[start:]`` from one transformers forward pass with all the images."""
+    tensor = torch.tensor([ids])
     with torch.no_grad():
         logits = model(
-            input_ids=ids,
+            input_ids=tensor,
             pixel_values=mm["pixel_values"],
             image_grid_thw=mm["image_grid_thw"],
-            mm_token_type_ids=(ids == image_token_id).int(),
+            mm_token_type_ids=(tensor == PAD).int(),
         ).logits[0]
-    logprobs = torch.log_softmax(logits.float(), -1)[len(traj.prompt_ids) - 1 : -1]
-    return logprobs.gather(1, torch.tensor(traj.response_ids)[:, None])[:, 0]
+    logprobs = torch.log_softmax(logits.float(), -1)[start - 1 : -1]
+    return logprobs.gather(1, torch.tensor(ids[start:])[:, None])[:, 0]
+
+
+def max_gap(
+    model: Any, ids: list[int], mm: dict[str, Any], start: int, mask: list[int], got: list[float]
+) -> float:
+    """The largest gap between recorded logprobs of model tokens (mask 1) and a forward pass."""
+    gap = (vlm_logprobs(model, ids, mm, start) - torch.tensor(got)).abs()
+    return float(gap[torch.tensor(mask) == 1].max())
 
 
 # ---- no server needed ------------------------------------------------------------------------
@@ -101,6 +108,8 @@ def test_the_prompt_goes_with_one_image_token_per_image(vlm: tuple[Any, VisionPr
         0.1,
     )
     assert body["return_token_ids"] and body["stream"] and params["logprobs"] == 0
+    urls = [image.data_url for image in images]  # images that do not know their run take the whole run
+    assert one_token_per_image(ids, urls, PAD) == [1, 151652, PAD, 151653, 2, 151652, PAD, 151653]
     for bad, why in [
         ([1, *[PAD] * (a - 1), 2, *[PAD] * b], "image 0 needs a run of"),
         ([1, *[PAD] * a, 2], "1 image-token run"),
@@ -146,8 +155,8 @@ def assert_exact(trajs: list[Trajectory], model: Any) -> None:
         assert traj.error is None and traj.metrics["check/ok"], traj.info.get("check")
         assert traj.stop_reason == StopReason.MAX_TURNS and traj.num_turns == 4
         assert len(traj.images) == 1 + 2 * 3
-        gap = (vlm_logprobs(model, traj, PAD) - torch.tensor(traj.rollout_logprobs)).abs()
-        assert float(gap[torch.tensor(traj.loss_mask) == 1].max()) < TOLERANCE
+        mm, start = traj.multimodal_inputs, len(traj.prompt_ids)
+        assert max_gap(model, traj.input_ids, mm, start, traj.loss_mask, traj.rollout_logprobs) < TOLERANCE
 
 
 async def test_vlm_turns_through_vllm_are_exact(
@@ -301,3 +310,55 @@ async def test_grpo_steps_on_a_vlm_with_vllm_rollouts_sync_the_weights_exactly(
     changed = [k for k in base if not torch.equal(base[k], after[k])]
     assert any("visual" in k for k in changed) and any("language_model" in k for k in changed)
     assert run.engine.weight_version == 2
+
+
+async def test_slimes_generate_with_images_on_an_sglang_endpoint_backed_by_vllm(
+    vlm_url: str, vlm: tuple[Any, VisionProcessor]
+) -> None:
+    """slime's custom generate path on FrozenLake: slime's own image at the prompt's ``<image>`` and
+    a board per observation reach vLLM (as SGLang's ``image_data``) with every turn; the logprobs
+    slime trains with equal a forward pass over its sample's tokens and image inputs."""
+    from types import SimpleNamespace
+
+    from slime_server import Sample, SGLangServer, slime_sampling
+
+    from turnrl.envs.frozen_lake import FrozenLakeEnv
+    from turnrl.integrations.slime import close_engines, generate
+
+    server = SGLangServer(client(vlm_url, vlm), vlm[0], weight_version="2")
+    samples = []
+    for i, row in enumerate(FrozenLakeEnv.dataset(size=3, seed=0)):
+        prompt = [dict(m) for m in row["prompt"]]
+        prompt[-1]["content"] = "<image>\n" + prompt[-1]["content"]
+        fields = {k: v for k, v in row.items() if k not in ("id", "prompt")}
+        images = {"images": [picture(i)]}
+        samples.append(
+            Sample(group_index=i, index=i, prompt=prompt, metadata=fields, multimodal_inputs=images)
+        )
+    args = SimpleNamespace(
+        sglang_router_ip="127.0.0.1",
+        sglang_router_port=server.port,
+        hf_checkpoint=str(resolve_model(MODEL).path),
+        rollout_max_context_len=None,
+        turnrl_config=None,
+        turnrl={"env": {"name": "frozen_lake"}, "limits": {"max_turns": 3}},
+    )
+    try:
+        await asyncio.gather(
+            *(generate(args, s, slime_sampling(400, seed=5 + s.index, stop=list(STOPS))) for s in samples)
+        )
+    finally:
+        await close_engines()
+        await asyncio.to_thread(server.close)
+    model = load_model(MODEL)
+    for sample in samples:
+        turns = sample.metadata["turnrl"]["num_turns"]
+        assert (
+            turns >= 2 and len(sample.multimodal_inputs["images"]) == 1 + turns
+        )  # + a board per observation
+        start = len(sample.tokens) - sample.response_length
+        mm = sample.multimodal_train_inputs
+        gap = max_gap(model, sample.tokens, mm, start, sample.loss_mask, sample.rollout_log_probs)
+        assert gap < TOLERANCE and sample.weight_versions == ["2"] * turns
+    sent = [len(r.get("image_data") or []) for r in server.requests]
+    assert max(sent) >= 2 and min(sent) >= 1  # every turn carries the images so far

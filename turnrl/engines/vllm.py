@@ -70,7 +70,9 @@ def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
 def one_token_per_image(prompt_ids: Sequence[int], images: Sequence[Any], image_token_id: int) -> list[int]:
     """``prompt_ids`` with each image's run of image tokens cut to one (the prompt vLLM expands).
 
-    ``images[k].num_tokens`` is the run the k-th image takes (``ImageInput``); a prompt whose runs
+    An ``ImageInput`` knows its run (``num_tokens``), which must be there; another image (a PIL
+    image or URL from a trainer's integration) takes the whole run of image tokens where it is,
+    and vLLM's report of the prompt it expanded tells whether that was right. A prompt whose runs
     do not match its images is refused.
     """
     out: list[int] = []
@@ -78,15 +80,18 @@ def one_token_per_image(prompt_ids: Sequence[int], images: Sequence[Any], image_
     while i < len(prompt_ids):
         token = int(prompt_ids[i])
         out.append(token)
+        i += 1
         if token != image_token_id:
-            i += 1
             continue
         if k >= len(images):
             raise RequestError(f"the prompt has more image-token runs than its {len(images)} image(s)")
-        need = int(getattr(images[k], "num_tokens", 0))
-        if need < 1 or list(prompt_ids[i : i + need]) != [image_token_id] * need:
+        need = getattr(images[k], "num_tokens", None)
+        end = i - 1 + int(need) if need is not None else i
+        while need is None and end < len(prompt_ids) and prompt_ids[end] == image_token_id:
+            end += 1
+        if list(prompt_ids[i - 1 : end]) != [image_token_id] * (end - i + 1) or end > len(prompt_ids):
             raise RequestError(f"image {k} needs a run of {need} image tokens in the prompt; it is not there")
-        i += need
+        i = end
         k += 1
     if k != len(images):
         raise RequestError(f"the prompt has {k} image-token run(s) for {len(images)} image(s)")
