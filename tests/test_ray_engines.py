@@ -47,14 +47,6 @@ REGISTRY = "test-engines"
 STOP_IDS = tuple(range(0, 151_000, 5))
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[str]:
-    """A real local Ray cluster with 2 CPUs, shared by this module; its address."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-
-
 def run_config(model: Path, out: Path, **ray_engine: Any) -> RunConfig:
     """A multi-turn EchoEnv rollout of the tiny Qwen3; ``ray_engine`` fills ``engine.ray``."""
     return RunConfig.model_validate(

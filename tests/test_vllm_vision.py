@@ -362,3 +362,56 @@ async def test_slimes_generate_with_images_on_an_sglang_endpoint_backed_by_vllm(
         assert gap < TOLERANCE and sample.weight_versions == ["2"] * turns
     sent = [len(r.get("image_data") or []) for r in server.requests]
     assert max(sent) >= 2 and min(sent) >= 1  # every turn carries the images so far
+
+
+async def test_verls_agent_loop_sends_images_to_vllm_through_verls_own_client(
+    vlm_url: str, vlm: tuple[Any, VisionProcessor], ray_cluster: str, tmp_path: Path
+) -> None:
+    """turnrl's agent loop inside verl, its requests going through verl's ``LLMServerClient`` and
+    balancer to a ``VLLMServerHandle`` that knows the image token: FrozenLake with an image in the
+    raw prompt and a board per observation; verl gets every image in ``multi_modal_data`` and
+    logprobs that equal a forward pass over its output with them."""
+    from types import SimpleNamespace
+
+    import ray
+    from test_integration_verl import SAMPLING, instantiate
+    from test_integration_vllm import verl_config
+
+    from turnrl.envs.frozen_lake import FrozenLakeEnv
+    from turnrl.integrations.verl_servers import server_client, server_handles
+
+    tokenizer, vision = vlm
+    config = verl_config(str(resolve_model(MODEL).path), tmp_path)
+    handles = server_handles([vlm_url], eos_token_ids=[tokenizer.eos_token_id], image_token_id=PAD)
+    processor = SimpleNamespace(image_processor=vision.image_processor)  # the part turnrl reads
+    loop = instantiate(
+        config,
+        server_client(config, handles),
+        tokenizer,
+        processor,
+        "qwen2_vl",
+        turnrl={"env": {"name": "frozen_lake"}, "limits": {"max_turns": 3}},
+    )
+    row = FrozenLakeEnv.dataset(size=1, seed=1)[0]
+    prompt = [dict(m) for m in row["prompt"]]
+    prompt[-1]["content"] = [
+        {"type": "image", "image": picture(4)},
+        {"type": "text", "text": prompt[-1]["content"]},
+    ]
+    fields = {k: v for k, v in row.items() if k not in ("id", "prompt")}
+    try:
+        sampling = dict(SAMPLING, stop_token_ids=list(STOPS))  # the random model's turns end early
+        output = await loop.run(sampling, raw_prompt=prompt, extra_info=fields)
+    finally:
+        for handle in handles.values():
+            ray.get(handle.close.remote())
+    traj = loop.trajectory
+    assert traj is not None and traj.error is None and traj.num_turns >= 2 and traj.metrics["check/ok"]
+    assert output.multi_modal_data is not None and output.multi_modal_data["images"] == traj.images
+    assert len(traj.images) == 1 + traj.num_turns  # the prompt's image, then a board per observation
+    assert output.prompt_ids + output.response_ids == traj.input_ids
+    mm, start = traj.multimodal_inputs, len(output.prompt_ids)
+    gap = max_gap(
+        load_model(MODEL), traj.input_ids, mm, start, output.response_mask, output.response_logprobs
+    )
+    assert gap < TOLERANCE

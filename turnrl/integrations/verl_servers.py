@@ -13,8 +13,10 @@ The handle answers the way verl's vLLM server does: ``max_tokens`` (or ``max_new
 ``logprobs`` are taken out, ``stop_reason`` is ``completed`` or ``aborted``, ``extra_fields`` hold
 ``global_steps`` (set by :meth:`VLLMServerHandle.set_global_steps` after a weight update); the other
 sampling params (``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``,
-``repetition_penalty``, ...) go to vLLM as they are. Images and videos are refused: turnrl's
-vLLM client sends token ids to ``/v1/completions``, which takes no images.
+``repetition_penalty``, ...) go to vLLM as they are. ``image_data`` (verl's PIL images, every
+image of the conversation so far) goes with the token ids to vLLM's generate endpoint when the
+handle knows the model's image token (``image_token_id``; the servers of a VLM that turnrl starts
+enable that endpoint); videos are refused.
 """
 
 from __future__ import annotations
@@ -58,10 +60,17 @@ def sampling_from_verl(params: Mapping[str, Any]) -> tuple[SamplingParams, bool,
 class VLLMServerHandle:
     """verl's rollout-server interface over one running vLLM server (wrap it with ``ray.remote``)."""
 
-    def __init__(self, url: str, eos_token_ids: Iterable[int] = (), timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        eos_token_ids: Iterable[int] = (),
+        timeout_s: float = 600.0,
+        image_token_id: int | None = None,
+    ) -> None:
         self.url = url
         self._eos = [int(t) for t in eos_token_ids]
         self._timeout_s = timeout_s
+        self._image_token_id = image_token_id
         self._engines: dict[str, VLLMServerEngine] = {}  # one per set of pass-through params
         self.global_steps: int | None = None
 
@@ -69,7 +78,11 @@ class VLLMServerHandle:
         key = json.dumps(extra, sort_keys=True, default=str)
         if key not in self._engines:
             self._engines[key] = VLLMServerEngine(
-                self.url, eos_token_ids=self._eos, timeout_s=self._timeout_s, request_params=extra
+                self.url,
+                eos_token_ids=self._eos,
+                timeout_s=self._timeout_s,
+                request_params=extra,
+                image_token_id=self._image_token_id,
             )
         return self._engines[key]
 
@@ -84,10 +97,10 @@ class VLLMServerHandle:
         **kwargs: Any,
     ) -> TokenOutput:
         """One generation, answered as verl's vLLM server answers it."""
-        if image_data or video_data:
-            raise ValueError(f"{self.url}: turnrl's vLLM client sends token ids only, not images or videos")
+        if video_data:
+            raise ValueError(f"{self.url}: turnrl's vLLM client sends no videos")
         sampling, logprobs, extra = sampling_from_verl(sampling_params)
-        gen = await self._engine(extra).generate(list(prompt_ids), sampling)
+        gen = await self._engine(extra).generate(list(prompt_ids), sampling, list(image_data or ()))
         return TokenOutput(
             token_ids=list(gen.token_ids),
             log_probs=list(gen.logprobs) if logprobs else None,
@@ -107,12 +120,17 @@ class VLLMServerHandle:
 
 
 def server_handles(
-    urls: Sequence[str], *, eos_token_ids: Iterable[int] = (), timeout_s: float = 600.0
+    urls: Sequence[str],
+    *,
+    eos_token_ids: Iterable[int] = (),
+    timeout_s: float = 600.0,
+    image_token_id: int | None = None,
 ) -> dict[str, Any]:
-    """One ``VLLMServerHandle`` Ray actor per URL (no CPU reserved: the work is the server's)."""
+    """One ``VLLMServerHandle`` Ray actor per URL (no CPU reserved: the work is the server's);
+    ``image_token_id``: a VLM's image token, for turns with images."""
     actor = ray.remote(VLLMServerHandle).options(num_cpus=0)
     eos = [int(t) for t in eos_token_ids]
-    return {url: actor.remote(url, eos, timeout_s) for url in urls}
+    return {url: actor.remote(url, eos, timeout_s, image_token_id) for url in urls}
 
 
 def server_client(config: Any, handles: Mapping[str, Any]) -> LLMServerClient:
