@@ -80,17 +80,21 @@ def one_token_per_image(prompt_ids: Sequence[int], images: Sequence[Any], image_
     while i < len(prompt_ids):
         token = int(prompt_ids[i])
         out.append(token)
-        i += 1
         if token != image_token_id:
+            i += 1
             continue
         if k >= len(images):
             raise RequestError(f"the prompt has more image-token runs than its {len(images)} image(s)")
-        need = getattr(images[k], "num_tokens", None)
-        end = i - 1 + int(need) if need is not None else i
-        while need is None and end < len(prompt_ids) and prompt_ids[end] == image_token_id:
+        end = i + 1
+        while end < len(prompt_ids) and prompt_ids[end] == image_token_id:
             end += 1
-        if list(prompt_ids[i - 1 : end]) != [image_token_id] * (end - i + 1) or end > len(prompt_ids):
-            raise RequestError(f"image {k} needs a run of {need} image tokens in the prompt; it is not there")
+        need = getattr(images[k], "num_tokens", None)
+        if need is not None:  # the image ends where its own tokens do (another may follow at once)
+            if end - i < need:
+                raise RequestError(
+                    f"image {k} needs a run of {need} image tokens in the prompt; it has {end - i}"
+                )
+            end = i + need
         i = end
         k += 1
     if k != len(images):
