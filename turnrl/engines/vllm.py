@@ -102,6 +102,18 @@ def one_token_per_image(prompt_ids: Sequence[int], images: Sequence[Any], image_
     return out
 
 
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "logprobs",
+    "skip_special_tokens",
+    "stop_token_ids",
+)
+
+
 def vision_payload(
     prompt_ids: Sequence[int],
     sampling: SamplingParams,
@@ -110,20 +122,12 @@ def vision_payload(
     request_params: Mapping[str, Any],
     model: str | None,
 ) -> dict[str, Any]:
-    """The ``/inference/v1/generate`` body of a turn with images; ``request_params`` are sampling fields."""
-    params: dict[str, Any] = {
-        "max_tokens": sampling.max_tokens,
-        "temperature": max(sampling.temperature, 0.0),
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-        "n": 1,
-        "logprobs": 0,
-        "skip_special_tokens": False,
-    }
-    if sampling.seed is not None:
-        params["seed"] = sampling.seed
-    if sampling.stop_token_ids:
-        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    """The ``/inference/v1/generate`` body of a turn with images; ``request_params`` are sampling fields.
+
+    The sampling fields are those of a text turn's ``/v1/completions`` request (one place builds them).
+    """
+    text_turn = completion_payload("vllm", (), sampling, None)
+    params = {k: text_turn[k] for k in _SAMPLING_FIELDS if k in text_turn} | {"n": 1}
     body: dict[str, Any] = {
         "token_ids": one_token_per_image(prompt_ids, images, image_token_id),
         "content_parts": [{"type": "image_url", "url": image_url(image)} for image in images],
