@@ -13,9 +13,10 @@ import torch
 
 from turnrl.models import load_model
 from turnrl.train.batch import TrainSample, collate, micro_batches
-from turnrl.train.config import TrainConfig
+from turnrl.train.config import LoraSettings, TrainConfig
 from turnrl.train.data_parallel import close_ranks, init_ranks, shard
 from turnrl.train.fsdp import full_state_dict, shard_policy
+from turnrl.train.lora import wrap_lora
 from turnrl.train.trainer import _prepare, update_policy
 
 
@@ -39,15 +40,22 @@ def fixed_samples(count: int) -> list[TrainSample]:
 
 
 def main(model_dir: str, out: str, mode: str = "replicated") -> None:
-    """``mode``: replicated (every rank the whole policy) or fsdp (sharded across the ranks)."""
+    """``mode``: replicated (every rank the whole policy), fsdp (sharded across the ranks), lora
+    (LoRA adapters on the whole policy) or fsdp-lora (LoRA adapters, the policy sharded)."""
     ranks, _ = init_ranks("cpu")
     torch.manual_seed(0)
     policy = load_model(model_dir)
-    sharded = shard_policy(policy, ranks) if mode == "fsdp" else None
+    if "lora" in mode:
+        policy = wrap_lora(policy, LoraSettings(r=4))
+        with torch.no_grad():  # B starts at 0 (then A gets no gradient): give both a value
+            for name, param in policy.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    sharded = shard_policy(policy, ranks) if mode.startswith("fsdp") else None
     config = TrainConfig.model_validate({"model": model_dir, "env": {"name": "guess_number"}})
     # plain SGD: the weights move by the gradient itself (Adam's first step divides each gradient
     # by its own magnitude, which turns rounding in a near-zero gradient into a full-size step)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     run = SimpleNamespace(config=config, policy=policy, ref=None, optimizer=optimizer, scheduler=scheduler)
     run.ranks, run.sharded, run.tokenizer = ranks, sharded, SimpleNamespace(pad_token_id=0)

@@ -16,6 +16,7 @@ import torch
 
 from turnrl.engines.balancer import BalancedEngine
 from turnrl.engines.hf import HFEngine
+from turnrl.engines.managed import ManagedEngine
 from turnrl.engines.openai import OpenAIEngine
 from turnrl.engines.sglang import SGLangEngine
 from turnrl.models import load_model
@@ -163,6 +164,11 @@ class ControlledEngine:
         self.updates.append((weights, version))
         return version or 0
 
+    async def follow_weights(self, version: int) -> None:
+        if self.fail:
+            raise EngineError(f"serves weight version 0, not {version}")
+        self.updates.append((None, version))
+
     async def close(self) -> None:
         pass
 
@@ -191,6 +197,27 @@ async def test_balancer_reports_a_failed_update_and_needs_abort_all() -> None:
     plain.abort_all = None  # type: ignore[assignment,method-assign]
     with pytest.raises(TypeError, match="cannot abort generations in flight on y"):
         await BalancedEngine([ControlledEngine(), plain], names=["x", "y"]).abort_all()
+
+
+async def test_balancer_follows_a_version_another_process_loaded_on_every_healthy_engine() -> None:
+    """Another training rank updated the shared servers: every healthy engine takes up the version
+    (each checks its server reports it); one that does not is named, the version stays put."""
+    engines = [ControlledEngine(), ControlledEngine(), ControlledEngine()]
+    balancer = BalancedEngine(engines, names=["a", "b", "c"])
+    balancer.stats[2].down_until = time.monotonic() + 60
+    await ManagedEngine(balancer, []).follow_weights(3)  # what a server-managing wrapper forwards
+    assert [e.updates for e in engines] == [[(None, 3)]] * 2 + [[]]
+    assert balancer.weight_version == 3 and [s.weight_version for s in balancer.stats] == [3, 3, None]
+    lagging = BalancedEngine([ControlledEngine(), ControlledEngine(fail=True)], names=["x", "y"])
+    with pytest.raises(
+        EngineError, match=r"follow_weights failed on 1 engine.*y: EngineError: serves weight"
+    ):
+        await lagging.follow_weights(4)
+    assert lagging.weight_version == 0
+    plain = ControlledEngine()
+    plain.follow_weights = None  # type: ignore[assignment,method-assign]
+    with pytest.raises(TypeError, match="ControlledEngine cannot take up weights another process loaded"):
+        await BalancedEngine([plain]).follow_weights(1)
 
 
 # ---- HFEngine from a checkpoint folder ----

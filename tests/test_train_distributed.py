@@ -35,29 +35,35 @@ def torchrun(ranks: int, *args: str, cwd: Path | None = None) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("mode", ["replicated", "fsdp"])
-def test_two_gloo_ranks_make_the_one_process_update(tmp_path: Path, tiny_qwen3_dir: Path, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "alone_mode"), [("replicated", "replicated"), ("fsdp", "replicated"), ("fsdp-lora", "lora")]
+)
+def test_two_gloo_ranks_make_the_one_process_update(
+    tmp_path: Path, tiny_qwen3_dir: Path, mode: str, alone_mode: str
+) -> None:
     """A fixed batch of 8 samples: one process trains on all of them; two ranks on 4 each, with
     the loss normalized by the whole batch's tokens and the gradients summed across ranks. Both
     ranks end with identical weights, equal to the one-process update; the losses are equal.
     ``fsdp``: the policy sharded across the two ranks (FSDP2), rank 1 with fewer micro-batches
-    than rank 0 (it runs empty ones so the collectives meet): the same update, gathered whole."""
+    than rank 0 (it runs empty ones so the collectives meet): the same update, gathered whole.
+    ``fsdp-lora``: the same with LoRA adapters (trained) beside frozen weights in every unit."""
     worker = str(HERE / "dp_worker.py")
-    torchrun(1, worker, str(tiny_qwen3_dir), str(tmp_path))
+    torchrun(1, worker, str(tiny_qwen3_dir), str(tmp_path), alone_mode)
     torchrun(2, worker, str(tiny_qwen3_dir), str(tmp_path), mode)
-    alone = torch.load(tmp_path / "weights.replicated.1.0.pt")
+    alone = torch.load(tmp_path / f"weights.{alone_mode}.1.0.pt")
     first, second = (torch.load(tmp_path / f"weights.{mode}.2.{r}.pt") for r in (0, 1))
     assert alone.keys() == first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)  # identical on every rank
     for name in alone:
         torch.testing.assert_close(first[name], alone[name], atol=1e-7, rtol=1e-6)
     # the summed gradients are the one-process gradients (rounding only: sums in another order)
-    grads = torch.load(tmp_path / "grads.replicated.1.0.pt"), torch.load(tmp_path / f"grads.{mode}.2.0.pt")
+    grads = torch.load(tmp_path / f"grads.{alone_mode}.1.0.pt"), torch.load(tmp_path / f"grads.{mode}.2.0.pt")
     assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert all(("lora_" in name) == ("lora" in mode) for name in grads[1])  # LoRA: only adapters train
     for name, grad in grads[0].items():
         # float32 sums over other micro-batches and paddings: within 1e-4 of the largest entry
         torch.testing.assert_close(grads[1][name], grad, atol=1e-4 * float(grad.abs().max()), rtol=0)
-    one = json.loads((tmp_path / "metrics.replicated.1.0.json").read_text())
+    one = json.loads((tmp_path / f"metrics.{alone_mode}.1.0.json").read_text())
     two = [json.loads((tmp_path / f"metrics.{mode}.2.{r}.json").read_text()) for r in (0, 1)]
     assert two[0].pop("micro_batches") > two[1].pop("micro_batches")  # rank 1 ran empty ones
     assert two[0] == two[1]  # every rank reports the step's totals
@@ -139,3 +145,38 @@ def test_fsdp_under_torchrun_trains_part_of_the_model_checkpoints_it_whole_and_r
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
     torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", "--resume", cwd=tmp_path)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_fsdp_with_lora_under_torchrun_serves_merged_weights_and_checkpoints_adapters(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """`train.fsdp` with `optim.lora` under torchrun: the adapters train sharded beside the frozen
+    base; after each update every rank's engine gets the base with the adapters merged in (the
+    rollouts' logprobs equal the trainer's recomputed ones: ratio 1 within 1e-3), and rank 0 writes
+    the adapters alone as the checkpoint's model."""
+    from safetensors.torch import load_file
+
+    config = {
+        "model": str(tiny_qwen3_dir),
+        "env": {"name": "turnrl.testing:ParityEnv"},
+        "sampling": {"temperature": 1.0, "max_tokens": 6},
+        "limits": {"max_turns": 1, "max_context_tokens": 128},
+        "algorithm": {"recompute_old_logprobs": True, "kl_coef": 0.001},
+        "optim": {"lr": 1e-2, "lora": {"r": 4}},
+        "rollout": {"group_size": 4},
+        "train": {"steps": 2, "prompts_per_step": 4, "plot": False, "save_every": 2, "fsdp": True},
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
+    torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", cwd=tmp_path)
+    out = tmp_path / "run"
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records[1:]:
+        assert record["train/samples"] > 0 and record["grad_norm"] > 0, record
+        assert 0.999 < record["is/ratio_min"] <= record["is/ratio_max"] < 1.001, record
+    model = out / "checkpoints" / "step_000002" / "model"
+    assert (model / "adapter_config.json").is_file() and not (model / "model.safetensors").exists()
+    adapters = load_file(str(model / "adapter_model.safetensors"))
+    assert adapters and all("lora_" in name for name in adapters)
+    assert any(float(v.abs().max()) > 0 for k, v in adapters.items() if "lora_B" in k)  # B left zero: trained

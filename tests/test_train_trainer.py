@@ -254,6 +254,28 @@ async def test_lora_trains_adapters_only_and_serves_merged_weights(
     assert run.engine.weight_version == 1
 
 
+def test_merged_state_of_a_whole_lora_state_dict_is_the_merged_model(tiny_qwen3_dir: Path) -> None:
+    """What an FSDP run with LoRA pushes: the plain model's weights built from the LoRA model's whole
+    state dict (as gathered from the shards) equal peft's own merge of every adapted layer."""
+    from turnrl.models import load_model
+    from turnrl.train.lora import full_weights, merged_state, wrap_lora
+
+    policy = wrap_lora(
+        load_model(str(tiny_qwen3_dir)), LoraSettings(r=4, target_modules=["q_proj", "down_proj"])
+    )
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    merged, expected = merged_state(policy.state_dict(), policy), full_weights(policy)
+    base = load_model(str(tiny_qwen3_dir)).state_dict()
+    assert merged.keys() == expected.keys() == base.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(merged[name], value, atol=1e-6, rtol=1e-5)
+    changed = {name for name in base if not torch.equal(base[name], merged[name])}
+    assert changed == {name for name in base if name.endswith(("q_proj.weight", "down_proj.weight"))}
+
+
 def test_lora_checkpoints_hold_adapters_and_resume(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     cfg = lora_config(tmp_path, tiny_qwen3_dir, save_every=1)
     out = Path(cfg.output_dir)

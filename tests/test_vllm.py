@@ -113,6 +113,27 @@ def test_train_takes_vllm_and_refuses_engines_whose_weights_it_cannot_update() -
         TrainConfig.model_validate(base | {"engine": {"kind": "vllm", "in_process": True}})
 
 
+def test_the_policy_trains_on_train_device_which_the_embedded_engine_shares() -> None:
+    """With vLLM servers the trainer's device is its own (default: cuda when torch sees one); with
+    the embedded engine it is the engine's, and a different ``train.device`` is refused."""
+    import torch
+    from pydantic import ValidationError
+
+    from turnrl.train.config import TrainConfig, policy_device
+
+    base = {"model": "tiny-qwen3", "env": {"name": "guess_number"}}
+    on_vllm = TrainConfig.model_validate(base | {"engine": {"kind": "vllm"}})
+    assert policy_device(on_vllm) == ("cuda" if torch.cuda.is_available() else "cpu")
+    chosen = TrainConfig.model_validate(base | {"engine": {"kind": "vllm"}, "train": {"device": "cuda:3"}})
+    assert policy_device(chosen) == "cuda:3"
+    embedded = TrainConfig.model_validate(base | {"engine": {"kind": "hf", "device": "cuda"}})
+    assert policy_device(embedded) == "cuda"
+    with pytest.raises(ValidationError, match=r"train\.device 'cpu' is not engine\.device 'cuda'"):
+        TrainConfig.model_validate(
+            base | {"engine": {"kind": "hf", "device": "cuda"}, "train": {"device": "cpu"}}
+        )
+
+
 def test_lora_pushes_the_whole_merged_model_to_a_server(tiny_qwen3_model: Any, tmp_path: Path) -> None:
     """vLLM reloads whole checkpoints: the push holds every tensor of the plain model, adapters merged,
     and the saved file loads back into a plain model with the adapted model's logits."""
@@ -252,6 +273,15 @@ async def test_weights_update_in_place_exactly_and_stamp_their_version(
             < TOLERANCE
         )
         assert after.token_ids != before.token_ids or max_diff(after.logprobs, before.logprobs) > 1e-2
+        follower = VLLMServerEngine(client.base_url)  # another training rank's client of the server
+        try:
+            with pytest.raises(EngineError, match="serves weight version 1, not 2"):
+                await follower.follow_weights(2)  # a version the server does not report
+            await follower.follow_weights(1)
+            followed = await follower.generate(prompt, sampling)
+            assert followed.versions == [1] * len(followed.token_ids)
+        finally:
+            await follower.close()
     finally:
         assert await client.update_weights(smollm2.state_dict()) == 2  # back to the base weights
     restored = await client.generate(prompt, sampling)
@@ -356,19 +386,28 @@ async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_
 
 
 async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_the_bound(
-    servers: Any, smollm2: Any, tmp_path: Path
+    servers: Any, smollm2: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``train.overlap`` on vLLM servers: rollouts go on while the trainer steps; each weight push
     aborts the turns in flight (keeping their tokens), loads the weights and resumes every turn from
     its last token under the new version. Versions never go backwards along a trajectory, every
-    trained token is within the staleness bound, and the sequences stay exact."""
+    trained token is within the staleness bound, and the sequences stay exact. ``PushGate`` makes
+    each push meet first turns in flight (without it, that depends on the model and the timing)."""
+    import vllm_helpers
+
     from turnrl.rollout.codec import trajectory_from_json
+    from turnrl.train import overlap, trainer
     from turnrl.train.config import load_train_config
     from turnrl.train.loop import train_async
 
+    gate = vllm_helpers.PushGate()
+    monkeypatch.setattr(vllm_helpers, "GATE", gate)
+    monkeypatch.setattr(overlap, "learn", gate.wrap_learn(overlap.learn))
+    monkeypatch.setattr(trainer, "_servers_load", gate.wrap_load(trainer._servers_load))
     url = servers.servers[0].url
     overrides = [
         "model=smollm2-135m",  # the model the session's servers serve
+        "env.name=vllm_helpers:GatedKeyLookupEnv",
         "engine.kind=vllm",
         f'engine.urls=["{url}"]',
         "engine.refresh_tied_weights=true",  # a server turnrl started: it has the worker extension
@@ -402,6 +441,7 @@ async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_t
             assert traj.metrics.get("check/ok"), traj.metrics
             turns = [t for t in traj.turns if t.role == "assistant"]
             split += sum(len(set(traj.policy_versions[t.start : t.end])) > 1 for t in turns)
+    assert gate.released > 0  # groups were waiting for a push, so it met their first turns in flight
     assert split > 0  # a push met turns in flight: they went on from their tokens under new weights
     reset = VLLMServerEngine(url, refresh_tied_weights=True)  # base weights for the tests after this one
     await reset.update_weights(smollm2.state_dict())

@@ -1,14 +1,21 @@
 """What the tests on real vLLM servers share: the skip-or-fail rule, the model, the tolerance, and
-the process-table check for servers that outlived their engine."""
+the process-table check for servers that outlived their engine, and the gate that makes a weight
+push meet turns in flight."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
-from turnrl.types import EngineError
+from turnrl.envs.key_lookup import KeyLookupEnv
+from turnrl.testing import ParityEnv
+from turnrl.types import EngineError, Message
 
 MODEL = "smollm2-135m"  # what the shared servers serve (SmolLM2-135M-Instruct, saved as float32)
 TOLERANCE = 2e-4  # nats, vLLM CPU float32 vs a transformers float32 forward pass (measured: up to 1.03e-4)
@@ -35,3 +42,81 @@ def running(pids: list[int]) -> list[int]:
         if (int(pid) in pids or int(pgid) in pids) and not stat.startswith("Z"):
             alive.append(int(pid))
     return alive
+
+
+class PushGate:
+    """Makes a weight push meet a turn in flight, whatever the model and the machine's speed.
+
+    The overlapped trainer starts new groups when a step takes its own; whether one is still
+    generating when that step's push comes depends on how long the update takes against the
+    rollouts (a fast update pushes before the new groups reach the server, a slow one after they
+    finished). With the gate: a group whose env is reset while the trainer learns waits there (at
+    most ``hold_s``) until the push comes; the push first releases the waiting groups, gives their
+    first turns ``lead_s`` to generate, then pauses them mid-turn and loads the weights."""
+
+    def __init__(self, hold_s: float = 120.0, lead_s: float = 0.5) -> None:
+        self.hold_s, self.lead_s = hold_s, lead_s
+        self.learning = False
+        self.waiting = 0  # resets held for the coming push
+        self.released = 0  # resets released into a push, over the run
+        self.coming: asyncio.Event | None = None
+
+    def wrap_learn(self, learn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        """``learn`` (the update and its push) with the trainer marked learning meanwhile."""
+
+        async def learning(*args: Any, **kwargs: Any) -> Any:
+            self.learning = True
+            try:
+                return await learn(*args, **kwargs)
+            finally:
+                self.learning = False
+
+        return learning
+
+    def wrap_load(self, load: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        """The trainer's server update (which pauses the turns in flight first), releasing the
+        waiting groups and letting them generate first."""
+
+        async def loading(run: Any) -> None:
+            self.learning = False  # a group reset from here on is not held for the push after next
+            held, self.waiting = self.waiting, 0
+            if self.coming is not None:
+                self.coming.set()
+                self.coming = None
+            if held:
+                self.released += held
+                await asyncio.sleep(self.lead_s)
+            await load(run)
+
+        return loading
+
+    async def hold(self) -> None:
+        """In an env's reset: wait for the next push while the trainer learns."""
+        if not self.learning:
+            return
+        if self.coming is None:
+            self.coming = asyncio.Event()
+        coming, self.waiting = self.coming, self.waiting + 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(coming.wait(), self.hold_s)
+
+
+GATE = PushGate()
+
+
+class GatedParityEnv(ParityEnv):
+    """The parity env, its reset held by ``GATE`` while the trainer learns."""
+
+    async def reset(self) -> list[Message]:
+        """Wait while ``GATE`` holds, then reset."""
+        await GATE.hold()
+        return await super().reset()
+
+
+class GatedKeyLookupEnv(KeyLookupEnv):
+    """The demo's env, its reset held by ``GATE`` while the trainer learns."""
+
+    async def reset(self) -> list[Message]:
+        """Wait while ``GATE`` holds, then reset."""
+        await GATE.hold()
+        return await super().reset()

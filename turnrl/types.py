@@ -270,6 +270,16 @@ class WeightUpdatable(Protocol):
         ...
 
 
+@runtime_checkable
+class WeightFollowing(Protocol):
+    """An engine shared by several processes, whose weights one of them updates (the first training
+    rank under torchrun): the others take up the new version once the servers serve it."""
+
+    async def follow_weights(self, version: int) -> None:
+        """Stamp tokens with ``version`` from now on, once the servers report serving it."""
+        ...
+
+
 def can_abort(engine: object) -> bool:
     """Whether ``engine`` has a callable ``abort_all``."""
     return callable(getattr(engine, "abort_all", None))
@@ -284,6 +294,15 @@ def as_abortable(engine: object) -> Abortable:
     """The engine, if it can abort everything in flight; a clear TypeError otherwise."""
     if not (isinstance(engine, Abortable) and can_abort(engine)):
         raise TypeError(f"{type(engine).__name__} cannot abort generations in flight (no abort_all)")
+    return engine
+
+
+def as_following(engine: object) -> WeightFollowing:
+    """The engine, if it can take up a weight version another process loaded; a clear TypeError otherwise."""
+    if not (isinstance(engine, WeightFollowing) and callable(getattr(engine, "follow_weights", None))):
+        raise TypeError(
+            f"{type(engine).__name__} cannot take up weights another process loaded (no follow_weights)"
+        )
     return engine
 
 

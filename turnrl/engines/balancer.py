@@ -38,6 +38,7 @@ from turnrl.types import (
     SamplingParams,
     Weights,
     as_abortable,
+    as_following,
     as_updatable,
     can_abort,
 )
@@ -187,6 +188,19 @@ class BalancedEngine:
         self._raise_failures("update_weights", targets, results)
         self._version = new
         return new
+
+    async def follow_weights(self, version: int) -> None:
+        """Take up ``version`` on every healthy engine, which another process updated (see
+        ``WeightFollowing``). EngineError when an engine does not serve it."""
+        now = time.monotonic()
+        targets = [i for i, s in enumerate(self.stats) if s.healthy(now)]
+        calls = (as_following(self.engines[i]).follow_weights(version) for i in targets)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for i, result in zip(targets, results, strict=True):
+            if not isinstance(result, BaseException):
+                self.stats[i].weight_version = version
+        self._raise_failures("follow_weights", targets, results)
+        self._version = version
 
     def _raise_failures(self, what: str, indices: Sequence[int], results: Sequence[object]) -> None:
         """EngineError naming every engine whose call failed, if any did."""

@@ -102,6 +102,10 @@ class JsonClient:
         """POST ``payload`` and return the decoded JSON answer, retrying transient failures."""
         return await self._request("POST", path, payload, timeout_s)
 
+    async def get(self, path: str) -> Any:
+        """GET ``path`` and return the decoded JSON answer, retrying transient failures."""
+        return await self._request("GET", path, None, None)
+
     async def events(self, path: str, payload: Mapping[str, Any]) -> AsyncIterator[Any]:
         """POST ``payload`` and yield the decoded ``data:`` events of the server-sent stream.
 

@@ -7,7 +7,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from turnrl.engines.process import ServerProcess
-from turnrl.types import Engine, Generation, SamplingParams, Weights, as_abortable, as_updatable
+from turnrl.types import (
+    Engine,
+    Generation,
+    SamplingParams,
+    Weights,
+    as_abortable,
+    as_following,
+    as_updatable,
+)
 
 
 class ManagedEngine:
@@ -35,6 +43,10 @@ class ManagedEngine:
     async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
         """Update the wrapped engine's weights."""
         return await as_updatable(self.engine).update_weights(weights, version=version)
+
+    async def follow_weights(self, version: int) -> None:
+        """Take up a version another process loaded into the wrapped engine's servers."""
+        await as_following(self.engine).follow_weights(version)
 
     @property
     def weight_version(self) -> int:

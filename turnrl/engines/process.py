@@ -118,6 +118,7 @@ class ServerProcess:
         if self.process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=10)
+            _wait_group_gone(self.process.pid, timeout_s=5.0)
         self._forget()
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -128,6 +129,8 @@ class ServerProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=timeout_s)
         self._signal(signal.SIGKILL)  # whatever of the group is left
+        if self.process is not None:
+            _wait_group_gone(self.process.pid, timeout_s=5.0)
         self._forget()
 
     def _signal(self, sig: signal.Signals) -> None:
@@ -180,6 +183,28 @@ class ServerProcess:
             return f" (log: {self.log_path})"
         tail = " | ".join(line.strip() for line in text[-lines:] if line.strip())
         return f" (log {self.log_path}: {tail})"
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Wait until no process of group ``pgid`` runs (zombies aside), at most ``timeout_s``: a killed
+    group's other members (not our children) die a moment after the signal. Linux only (reads /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while _group_running(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is running (not a zombie); False where /proc is absent."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return False
+    for stat in proc.glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # after the command's parenthesised name: state, ppid, pgrp
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
 
 
 def stop_all() -> None:

@@ -304,6 +304,17 @@ class VLLMServerEngine:
             await self._client.post("/resume", {})
         return new
 
+    async def follow_weights(self, version: int) -> None:
+        """Take up weight version ``version``, which another process loaded into the server (the
+        rank that pushes for every training rank): the server must report it, else EngineError."""
+        answer = await self._client.get("/weight_info")
+        served = answer.get("weight_version") if isinstance(answer, Mapping) else None
+        if str(served) != str(version):
+            raise EngineError(
+                f"{self.base_url} serves weight version {served}, not {version}: the update did not reach it"
+            )
+        self._version = version
+
     def _save(self, weights: Mapping[str, Any]) -> Path:
         """Write a state dict where the server reads it."""
         if self.weights_dir is None:

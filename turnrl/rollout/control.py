@@ -30,9 +30,14 @@ class RolloutControl:
 
     async def pause(self, engine: Abortable) -> None:
         """Pause: abort every generation in flight (their tokens are kept)."""
+        self.hold()
+        await engine.abort_all()
+
+    def hold(self) -> None:
+        """Pause without aborting: generations in flight finish (or are aborted by whoever shares
+        the engine), and no trajectory starts or resumes one until :meth:`resume`."""
         self.pauses += 1
         self._running.clear()
-        await engine.abort_all()
 
     def resume(self, policy_version: int | None = None) -> None:
         """Let paused trajectories continue, optionally under a new policy version."""

@@ -160,6 +160,9 @@ class TrainLoopConfig(_Strict):
     # under torchrun: shard the policy, its gradients and AdamW moments across the ranks (FSDP2);
     # false: every rank holds the whole policy (data-parallel, gradients all-reduced)
     fsdp: bool = False
+    # where the policy trains (under torchrun, cuda becomes cuda:LOCAL_RANK); None: the embedded
+    # engine's device, or with vLLM servers cuda when torch sees a GPU, else cpu
+    device: str | None = None
     tracker: Tracker = "none"  # also log to this tracker (it must be installed)
     plot: bool = True  # reward curve PNG at the end (needs matplotlib)
 
@@ -241,8 +244,11 @@ class TrainConfig(RunSections):
                 "train.overlap rolls out while the trainer steps, so tokens are one version old or more: "
                 "set algorithm.max_staleness to at least 1"
             )
-        if self.train.fsdp and self.optim.lora is not None:
-            raise ValueError("train.fsdp shards full-parameter training: it does not take optim.lora yet")
+        if isinstance(self.engine, HFEngineConfig) and self.train.device not in (None, self.engine.device):
+            raise ValueError(
+                f"train.device {self.train.device!r} is not engine.device {self.engine.device!r}: the "
+                "embedded engine samples from a copy of the policy on its device (set only engine.device)"
+            )
         if self.train.overlap and self.train.oversample_groups:
             raise ValueError(
                 "train.oversample_groups is for the synchronous trainer: the overlapped one already "
@@ -254,6 +260,18 @@ class TrainConfig(RunSections):
                 "dynamic sampling already refills the step with more groups"
             )
         return self
+
+
+def policy_device(config: TrainConfig) -> str:
+    """Where the policy trains: ``train.device``, else the embedded engine's device, else (vLLM
+    servers) cuda when torch sees a GPU, else cpu."""
+    if config.train.device:
+        return config.train.device
+    if isinstance(config.engine, HFEngineConfig):
+        return config.engine.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from turnrl.config import HFEngineConfig
-from turnrl.train.config import TrainConfig
+from turnrl.train.config import TrainConfig, policy_device
 from turnrl.train.data_parallel import Ranks, close_ranks, init_ranks, launched_ranks
 from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plot_rewards
 from turnrl.train.overlap import Feed, overlapped_step, start_feed
@@ -38,18 +38,13 @@ async def train_async(
 
 def _join_ranks(config: TrainConfig) -> tuple[TrainConfig, Ranks]:
     """This process's rank (one process: ``SINGLE``) and the config with its device."""
-    if launched_ranks() > 1 and not isinstance(config.engine, HFEngineConfig):
-        raise ValueError(
-            "data-parallel training (torchrun) runs the embedded engine on every rank: "
-            f"engine.kind {config.engine.kind!r} is not supported there yet"
-        )
     if config.train.fsdp and launched_ranks() <= 1:
         raise ValueError("train.fsdp shards the policy across processes: start the run with torchrun")
-    device = config.engine.device if isinstance(config.engine, HFEngineConfig) else "cpu"
-    ranks, device = init_ranks(device)
-    if isinstance(config.engine, HFEngineConfig) and device != config.engine.device:
-        config = config.model_copy(update={"engine": config.engine.model_copy(update={"device": device})})
-    return config, ranks
+    ranks, device = init_ranks(policy_device(config))
+    update: dict[str, Any] = {"train": config.train.model_copy(update={"device": device})}
+    if isinstance(config.engine, HFEngineConfig):
+        update["engine"] = config.engine.model_copy(update={"device": device})
+    return config.model_copy(update=update), ranks
 
 
 async def _train_loop(run: Run) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,31 @@ def serving_weights(policy: Any) -> dict[str, torch.Tensor]:
             weight = layer.get_base_layer().weight
             weights[f"{name}.weight"] = weight + layer.get_delta_weight(adapter).to(weight.dtype)
     return weights
+
+
+_PEFT_PREFIX = "base_model.model."  # before the plain model's names in a PeftModel's state dict
+
+
+@torch.no_grad()
+def merged_state(state: Mapping[str, torch.Tensor], policy: Any) -> dict[str, torch.Tensor]:
+    """The plain model's weights from ``state``, the whole state dict of the LoRA-wrapped ``policy``
+    (gathered from FSDP shards): every adapted layer ``base weight + scale * B @ A``."""
+    from peft.tuners.lora import LoraLayer
+
+    plain = {
+        name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", "."): tensor
+        for name, tensor in state.items()
+        if ".lora_" not in name
+    }
+    adapter = policy.active_adapter
+    for name, module in policy.get_base_model().named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            layer: Any = module
+            a, b = (state[f"{_PEFT_PREFIX}{name}.lora_{ab}.{adapter}.weight"] for ab in "AB")
+            delta = (b @ a) * layer.scaling[adapter]
+            weight = plain[f"{name}.weight"]
+            plain[f"{name}.weight"] = weight + (delta.T if layer.fan_in_fan_out else delta).to(weight.dtype)
+    return plain
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ from transformers.utils import logging as hf_logging
 from turnrl.app.engines import hf_engine_options, local_engine
 from turnrl.app.parts import build_env_factory, build_spec, load_samples
 from turnrl.app.run import SERVERS
-from turnrl.config import HFEngineConfig, ScriptedEngineConfig
+from turnrl.config import HFEngineConfig, VLLMEngineConfig
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.vllm import save_weights, scratch_weights_dir
 from turnrl.env.registry import resolve_env
@@ -56,7 +56,7 @@ from turnrl.train.batch import (
     unexpected_versions,
 )
 from turnrl.train.checkpoint import plan_output, restore_training_state, save_checkpoint, start_output
-from turnrl.train.config import TrainConfig
+from turnrl.train.config import TrainConfig, policy_device
 from turnrl.train.data_parallel import (
     SINGLE,
     Ranks,
@@ -79,13 +79,22 @@ from turnrl.train.fsdp import (
     shard_policy,
 )
 from turnrl.train.logprobs import token_logprobs
-from turnrl.train.lora import full_weights, is_lora, saved_adapter, serving_weights, wrap_lora
+from turnrl.train.lora import full_weights, is_lora, merged_state, saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
 from turnrl.train.metrics import rollout_metrics
 from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
 from turnrl.train.shaping import refill_count, refill_prompts, shape_overlong, varied_groups
-from turnrl.types import Engine, Sample, StopReason, Trajectory, as_abortable, as_updatable
+from turnrl.types import (
+    Engine,
+    EngineError,
+    Sample,
+    StopReason,
+    Trajectory,
+    as_abortable,
+    as_following,
+    as_updatable,
+)
 
 
 @dataclass
@@ -143,12 +152,12 @@ def build_run(
     eval_samples = load_samples(config.eval.data, entry) if config.eval.data else []
     spec = resolve_model(config.model)
     tokenizer = load_tokenizer(spec)
-    device = config.engine.device if isinstance(config.engine, HFEngineConfig) else "cpu"
+    device = policy_device(config)
     opt = config.optim
     adapters = resumed.model_dir if resumed and saved_adapter(resumed.model_dir) else None
     policy = load_model(str(resumed.model_dir) if resumed and not adapters else spec, device=device)
     ref = load_model(spec, device=device).requires_grad_(False) if config.algorithm.kl_coef > 0 else None
-    engine = _engine(config, policy, spec, tokenizer, console)  # a resume pushes its weights in train_async
+    engine = _engine(config, policy, spec, tokenizer, console, ranks)  # a resume pushes its weights later
     if opt.lora is not None:
         policy = wrap_lora(policy, opt.lora, adapters)
     else:
@@ -184,17 +193,16 @@ def build_run(
     return run
 
 
-def _engine(config: TrainConfig, policy: Any, spec: ModelSpec, tokenizer: Any, console: Console) -> Engine:
+def _engine(
+    config: TrainConfig, policy: Any, spec: ModelSpec, tokenizer: Any, console: Console, ranks: Ranks
+) -> Engine:
     """The rollout engine for the plain (not yet LoRA-wrapped) policy: the embedded one on a copy of
-    it, or vLLM servers started here, logging into ``OUT/servers/``."""
+    it, or vLLM servers (``_server_engine``)."""
     e = config.engine
-    if isinstance(e, ScriptedEngineConfig):  # refused by TrainConfig; here for the type checker
-        raise TypeError("turnrl train needs a model engine")
-    if not isinstance(e, HFEngineConfig):
-        with console.status(f"starting vLLM for {config.model}") as status:
-            log_dir = Path(config.output_dir) / SERVERS
-            engine, _ = local_engine(config.model, e, log_dir=log_dir, say=status.update, seed=config.seed)
-        return engine
+    if isinstance(e, VLLMEngineConfig):
+        return _server_engine(config, e, console, ranks)
+    if not isinstance(e, HFEngineConfig):  # refused by TrainConfig; here for the type checker
+        raise TypeError(f"turnrl train cannot update the weights of engine.kind {e.kind!r}")
     engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, e.dtype))
     return HFEngine(
         engine_model, tokenizer, vision=load_vision_processor(spec, tokenizer), **hf_engine_options(e)
@@ -520,6 +528,37 @@ async def evaluate(run: Run, step: int, name: str = "") -> dict[str, float]:
     return rollout_metrics(trajs, "eval/") | eval_metrics(rows) | {"time/eval": time.perf_counter() - t0}
 
 
+def _server_engine(config: TrainConfig, e: VLLMEngineConfig, console: Console, ranks: Ranks) -> Engine:
+    """Clients for vLLM servers: ``engine.urls``, else servers started here, logging into
+    ``OUT/servers/``. Under torchrun the first rank starts them and every rank rolls out its share of
+    the prompts through them (the servers batch every rank's requests together)."""
+    log_dir = Path(config.output_dir) / SERVERS
+    engine: Engine | None = None
+    shared: list[str] | str | None = None  # the started servers' URLs, or why they did not start
+    if ranks.main or e.urls:
+        with console.status(f"starting vLLM for {config.model}") as status:
+            try:
+                engine, _ = local_engine(
+                    config.model, e, log_dir=log_dir, say=status.update, seed=config.seed
+                )
+            except Exception as exc:
+                if e.urls or not ranks.distributed:
+                    raise
+                shared = f"{type(exc).__name__}: {exc}"  # told to every rank before raising here
+        if engine is not None:
+            shared = [s.url for s in getattr(engine, "servers", ())]
+    if e.urls or not ranks.distributed:
+        assert engine is not None
+        return engine
+    urls = gather(shared, ranks)[0]  # the first rank's servers, or its error
+    if not isinstance(urls, list):
+        raise EngineError(f"the first rank's vLLM servers did not start: {urls}")
+    if engine is not None:
+        return engine
+    with_urls = e.model_copy(update={"urls": urls})
+    return local_engine(config.model, with_urls, seed=config.seed)[0]
+
+
 async def _start(run: Run) -> dict[str, float]:
     """The step-0 record: held-out metrics, and with a warm start, those before it as ``base/...``."""
     cfg = run.config.warm_start
@@ -536,26 +575,56 @@ async def _start(run: Run) -> dict[str, float]:
 
 async def push_weights(run: Run) -> None:
     """Put the policy's weights into the engine: the embedded one takes a state dict (with LoRA: the
-    adapted layers, merged); vLLM servers load a whole checkpoint, written once for all of them."""
+    adapted layers, merged); vLLM servers load a whole checkpoint, written once for all of them (by
+    the first rank under torchrun: the servers are shared)."""
+    weights = _gathered_weights(run) if run.sharded else None  # a collective: every rank gathers
     if isinstance(run.engine, HFEngine):
-        weights = full_state_dict(run.policy) if run.sharded else serving_weights(run.policy)
-        await run.engine.update_weights(weights, strict=not is_lora(run.policy))
+        await run.engine.update_weights(
+            weights or serving_weights(run.policy), strict=not is_lora(run.policy)
+        )
         return
-    if run.weights_dir is None:
-        chosen = getattr(run.config.engine, "weights_dir", None)
-        run.weights_dir = Path(chosen) if chosen else scratch_weights_dir()
-    await asyncio.to_thread(save_weights, full_weights(run.policy), run.weights_dir)  # rollouts go on
-    control = run.spec.control
-    if control is None:
-        await as_updatable(run.engine).update_weights(run.weights_dir)
-        return
-    # overlapped: the turns in flight stop where they are (their tokens kept), the servers load the
-    # new weights, and each turn goes on from its last token under them (a partial rollout)
-    await control.pause(as_abortable(run.engine))
+    if run.ranks.main:
+        if run.weights_dir is None:
+            chosen = getattr(run.config.engine, "weights_dir", None)
+            run.weights_dir = Path(chosen) if chosen else scratch_weights_dir()
+        # in a worker thread: the rollouts of overlapped training go on meanwhile
+        await asyncio.to_thread(save_weights, weights or full_weights(run.policy), run.weights_dir)
+    await _servers_load(run)
+
+
+def _gathered_weights(run: Run) -> dict[str, torch.Tensor]:
+    """The sharded policy's whole weights, on every rank (a collective); LoRA adapters merged in."""
+    state = full_state_dict(run.policy)
+    return merged_state(state, run.policy) if is_lora(run.policy) else state
+
+
+async def _servers_load(run: Run) -> None:
+    """The servers load the checkpoint in ``run.weights_dir``. Overlapped training: every rank's turns
+    in flight stop where they are (their tokens kept) and go on from their last token under the new
+    weights (a partial rollout). Under torchrun the first rank aborts and updates, once every rank
+    holds its turns; the others then take up the version the servers report."""
+    control, ranks = run.spec.control, run.ranks
+    new = int(getattr(run.engine, "weight_version", 0)) + 1
+    if control is not None:
+        control.hold()
     try:
-        await as_updatable(run.engine).update_weights(run.weights_dir)
+        await asyncio.to_thread(barrier, ranks)  # every rank holds its turns; the checkpoint is written
+        failure: BaseException | None = None
+        if ranks.main:
+            try:
+                if control is not None:
+                    await as_abortable(run.engine).abort_all()
+                await as_updatable(run.engine).update_weights(run.weights_dir or "")
+            except Exception as exc:  # raised once the others have passed the barrier too
+                failure = exc
+        await asyncio.to_thread(barrier, ranks)  # the servers serve the new weights (or failed to)
+        if failure is not None:
+            raise failure
+        if not ranks.main:
+            await as_following(run.engine).follow_weights(new)
     finally:
-        control.resume(int(getattr(run.engine, "weight_version", 0)))
+        if control is not None:
+            control.resume(int(getattr(run.engine, "weight_version", 0)))
 
 
 def _save(run: Run, step: int) -> None:
