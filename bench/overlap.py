@@ -3,8 +3,8 @@
 The README demo (SmolLM2-135M-Instruct, key lookup, its supervised warm start, then 6 prompts x
 4 samples a step, the top 6 layers trained; without the warm start every reward is 0, every
 advantage 0 and no step trains, so there is nothing to overlap). Each round trains ``--steps``
-steps synchronously and then overlapped (``train.overlap: true``,
-``algorithm.max_staleness: 1``), from the same base weights, in fresh output folders. Reported
+steps synchronously and then overlapped (``train.overlap: true``, ``algorithm.max_staleness: 1``
+or ``--max-staleness K``), from the same base weights, in fresh output folders. Reported
 per mode: the median wall time per step (step 1 excluded: it includes the first rollout, which
 the overlapped run cannot hide) and trajectories trained on per second, with the ratio; plus
 the overlapped run's staleness share and idle times.
@@ -17,6 +17,10 @@ the overlapped run's staleness share and idle times.
 web call or a simulated user does: time in which a synchronous step's cores sit idle.
 
     .venv/bin/python bench/overlap.py --curve [--env-latency 1.0]
+
+``--engine vllm`` rolls out on a vLLM server turnrl starts for each run (after
+``scripts/install_vllm.sh``) instead of the embedded engine: generation then runs in the server's
+process (its CPU build computes on one core) while the trainer computes in this one.
 """
 
 from __future__ import annotations
@@ -61,8 +65,11 @@ def env_sets(latency: float) -> list[str]:
     return ["env.name=__main__:SlowKeyLookupEnv", f"env.kwargs={{latency_s: {latency}}}"]
 
 
-def run(steps: int, overlap: bool, out: Path, latency: float = 0.0) -> dict[str, Any]:
+def run(
+    steps: int, overlap: bool, out: Path, latency: float = 0.0, engine: str = "hf", staleness: int = 1
+) -> dict[str, Any]:
     sets = [
+        f"engine.kind={engine}",
         f"train.steps={steps}",
         "train.save_every=0",
         "train.plot=false",
@@ -72,7 +79,7 @@ def run(steps: int, overlap: bool, out: Path, latency: float = 0.0) -> dict[str,
         *env_sets(latency),
     ]
     if overlap:
-        sets += ["train.overlap=true", "algorithm.max_staleness=1"]
+        sets += ["train.overlap=true", f"algorithm.max_staleness={staleness}"]
     config = load_train_config(EXAMPLE, sets)  # with its warm start: rewards vary, so steps train
     t0 = time.perf_counter()
     train(config, console=Console(file=io.StringIO()))
@@ -85,16 +92,17 @@ def run(steps: int, overlap: bool, out: Path, latency: float = 0.0) -> dict[str,
         "step_s": statistics.median(per_step),
         "trajs_per_s": trajs / sum(per_step),
         "refused": sum(r.get("train/refused_versions", 0) for r in records),
-        "stale": statistics.fmean(r.get("async/staleness/1", 0.0) for r in records),
+        "stale": statistics.fmean(1.0 - r.get("async/staleness/0", 0.0) for r in records),
         "trainer_idle": statistics.fmean(r.get("async/trainer_idle_s", 0.0) for r in records),
         "rollout_idle": statistics.fmean(r.get("async/rollout_idle_s", 0.0) for r in records),
         "reward": statistics.fmean(r["reward/mean"] for r in records),
     }
 
 
-def curve(overlap: bool, out: Path, latency: float) -> tuple[float, list[tuple[int, float]]]:
+def curve(overlap: bool, out: Path, latency: float, engine: str) -> tuple[float, list[tuple[int, float]]]:
     """The whole README demo; its wall time and held-out reward at each evaluation."""
     sets = [f"output_dir={out}", "train.plot=false", "train.save_every=0", *env_sets(latency)]
+    sets.append(f"engine.kind={engine}")
     if overlap:
         sets += ["train.overlap=true", "algorithm.max_staleness=1"]
     t0 = time.perf_counter()
@@ -104,10 +112,10 @@ def curve(overlap: bool, out: Path, latency: float) -> tuple[float, list[tuple[i
     return wall, [(r["step"], r["eval/reward/mean"]) for r in records if "eval/reward/mean" in r]
 
 
-def curves(latency: float) -> None:
+def curves(latency: float, engine: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overlap in (("synchronous", False), ("overlapped", True)):
-            wall, held_out = curve(overlap, Path(tmp) / name, latency)
+            wall, held_out = curve(overlap, Path(tmp) / name, latency, engine)
             shown = ", ".join(f"step {s}: {r:.3f}" for s, r in held_out)
             print(f"{name}: {wall / 60:.1f} min; held-out reward {shown}", flush=True)
 
@@ -118,21 +126,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--curve", action="store_true", help="the whole README demo, both learning curves")
     parser.add_argument("--env-latency", type=float, default=0.0, help="seconds every env step waits")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="the rollout engine")
+    parser.add_argument("--max-staleness", type=int, default=1, help="the overlapped run's bound")
     args = parser.parse_args()
     if args.curve:
-        curves(args.env_latency)
+        curves(args.env_latency, args.engine)
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
-            sync = run(args.steps, False, Path(tmp) / f"sync{k}", args.env_latency)
-            over = run(args.steps, True, Path(tmp) / f"overlap{k}", args.env_latency)
+            sync = run(args.steps, False, Path(tmp) / f"sync{k}", args.env_latency, args.engine)
+            over = run(
+                args.steps, True, Path(tmp) / f"overlap{k}", args.env_latency, args.engine, args.max_staleness
+            )
             rows.append((sync, over))
             print(
                 f"round {k + 1}: step {sync['step_s']:.1f} s sync, {over['step_s']:.1f} s overlapped "
                 f"(x{sync['step_s'] / over['step_s']:.2f}); trajectories/s {sync['trajs_per_s']:.2f} "
-                f"against {over['trajs_per_s']:.2f}; overlapped: {over['stale']:.0%} of tokens a "
-                f"version old, {over['refused']:.0f} refused, trainer idle {over['trainer_idle']:.1f} s "
+                f"against {over['trajs_per_s']:.2f}; overlapped: {over['stale']:.0%} of tokens one or more "
+                f"versions old, {over['refused']:.0f} refused, trainer idle {over['trainer_idle']:.1f} s "
                 f"a step, rollout idle {over['rollout_idle']:.1f} s; mean reward "
                 f"{sync['reward']:.3f} sync, {over['reward']:.3f} overlapped",
                 flush=True,
