@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,31 +175,31 @@ class BalancedEngine:
         The new version is ``version``, else the balancer's previous one plus one; every
         engine is asked for it. EngineError when an engine fails (the others are updated).
         """
-        now = time.monotonic()
-        targets = [i for i, s in enumerate(self.stats) if s.healthy(now)]
-        if not targets:
-            raise EngineError(f"no healthy engine among {len(self.active())} to update")
         new = self._version + 1 if version is None else version
-        calls = (as_updatable(self.engines[i]).update_weights(weights, version=new) for i in targets)
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for i, result in zip(targets, results, strict=True):
-            if not isinstance(result, BaseException):
-                self.stats[i].weight_version = new
-        self._raise_failures("update_weights", targets, results)
-        self._version = new
+        await self._set_version(
+            "update_weights", new, lambda e: as_updatable(e).update_weights(weights, version=new)
+        )
         return new
 
     async def follow_weights(self, version: int) -> None:
         """Take up ``version`` on every healthy engine, which another process updated (see
         ``WeightFollowing``). EngineError when an engine does not serve it."""
+        await self._set_version("follow_weights", version, lambda e: as_following(e).follow_weights(version))
+
+    async def _set_version(
+        self, what: str, version: int, call: Callable[[Engine], Awaitable[object]]
+    ) -> None:
+        """``call`` on every healthy engine; those that succeed now serve ``version``, and so does the
+        balancer unless one failed (EngineError naming it)."""
         now = time.monotonic()
         targets = [i for i, s in enumerate(self.stats) if s.healthy(now)]
-        calls = (as_following(self.engines[i]).follow_weights(version) for i in targets)
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        if not targets:
+            raise EngineError(f"no healthy engine among {len(self.active())} for {what}")
+        results = await asyncio.gather(*(call(self.engines[i]) for i in targets), return_exceptions=True)
         for i, result in zip(targets, results, strict=True):
             if not isinstance(result, BaseException):
                 self.stats[i].weight_version = version
-        self._raise_failures("follow_weights", targets, results)
+        self._raise_failures(what, targets, results)
         self._version = version
 
     def _raise_failures(self, what: str, indices: Sequence[int], results: Sequence[object]) -> None:
