@@ -34,7 +34,8 @@ def steps_at_ratio_one(out: Path, steps: int) -> list[dict[str, Any]]:
     return records
 
 
-def torchrun(ranks: int, *args: str, cwd: Path | None = None) -> None:
+def torchrun(ranks: int, *args: str, cwd: Path | None = None) -> str:
+    """Run ``args`` under torchrun with ``ranks`` processes; what they printed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     command = [
         sys.executable,
@@ -46,6 +47,7 @@ def torchrun(ranks: int, *args: str, cwd: Path | None = None) -> None:
     ]
     done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
 
 
 @pytest.mark.parametrize(
@@ -102,7 +104,8 @@ def test_turnrl_train_under_torchrun_splits_the_prompts_and_keeps_the_ranks_iden
         "output_dir": str(tmp_path / "run"),
     }
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
-    torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", cwd=tmp_path)
+    printed = torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", cwd=tmp_path)
+    assert printed.count("wrote") == 1, printed  # rank 0 reports for all
     out = tmp_path / "run"
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]  # written once, by rank 0

@@ -92,7 +92,7 @@ def _rollout(args: argparse.Namespace, console: Console) -> int:
 def _train(args: argparse.Namespace, console: Console) -> int:
     from turnrl.train import load_train_config, train
     from turnrl.train.checkpoint import holds_run
-    from turnrl.train.data_parallel import launched_ranks
+    from turnrl.train.data_parallel import launched_rank, launched_ranks
 
     config = load_train_config(args.config, args.set)
     _demo_model_for(config.model, console)
@@ -100,7 +100,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         config = config.model_copy(update={"output_dir": _fresh(config.output_dir, holds_run, console)})
     _resume_hint(args, config.output_dir, holds_run)
     train(config, overwrite=args.overwrite, resume=args.resume, console=console)
-    console.print(f"wrote {config.output_dir} (metrics.jsonl, rewards.png, checkpoints)")
+    if launched_rank() == 0:  # rank 0 reports for all
+        console.print(f"wrote {config.output_dir} (metrics.jsonl, rewards.png, checkpoints)")
     return 0
 
 

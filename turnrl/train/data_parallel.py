@@ -52,6 +52,11 @@ def launched_ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """This process's rank among those ``torchrun`` started (0 when not started by it)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def init_ranks(device: str) -> tuple[Ranks, str]:
     """Join the process group ``torchrun`` set up (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
     ``MASTER_ADDR``...); this rank's place and its device (``cuda`` becomes ``cuda:LOCAL_RANK``)."""
