@@ -97,11 +97,5 @@ def full_weights(policy: Any) -> dict[str, torch.Tensor]:
 
     For engines that reload whole checkpoints (vLLM servers), where a partial update is not possible.
     """
-    if not is_lora(policy):
-        return dict(policy.state_dict())
-    plain = {
-        name.replace(".base_layer.", "."): tensor
-        for name, tensor in policy.get_base_model().state_dict().items()
-        if ".lora_" not in name
-    }
-    return plain | serving_weights(policy)
+    state = dict(policy.state_dict())
+    return merged_state(state, policy) if is_lora(policy) else state

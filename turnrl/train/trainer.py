@@ -532,31 +532,28 @@ def _server_engine(config: TrainConfig, e: VLLMEngineConfig, console: Console, r
     """Clients for vLLM servers: ``engine.urls``, else servers started here, logging into
     ``OUT/servers/``. Under torchrun the first rank starts them and every rank rolls out its share of
     the prompts through them (the servers batch every rank's requests together)."""
-    log_dir = Path(config.output_dir) / SERVERS
-    engine: Engine | None = None
-    shared: list[str] | str | None = None  # the started servers' URLs, or why they did not start
-    if ranks.main or e.urls:
+
+    def start() -> Engine:
         with console.status(f"starting vLLM for {config.model}") as status:
-            try:
-                engine, _ = local_engine(
-                    config.model, e, log_dir=log_dir, say=status.update, seed=config.seed
-                )
-            except Exception as exc:
-                if e.urls or not ranks.distributed:
-                    raise
-                shared = f"{type(exc).__name__}: {exc}"  # told to every rank before raising here
-        if engine is not None:
-            shared = [s.url for s in getattr(engine, "servers", ())]
+            log_dir = Path(config.output_dir) / SERVERS
+            return local_engine(config.model, e, log_dir=log_dir, say=status.update, seed=config.seed)[0]
+
     if e.urls or not ranks.distributed:
-        assert engine is not None
-        return engine
-    urls = gather(shared, ranks)[0]  # the first rank's servers, or its error
+        return start()
+    engine: Engine | None = None
+    shared: list[str] | str | None = None  # the first rank's servers' URLs, or why they did not start
+    if ranks.main:
+        try:
+            engine = start()
+            shared = [s.url for s in getattr(engine, "servers", ())]
+        except Exception as exc:  # told to every rank, which all stop with it
+            shared = f"{type(exc).__name__}: {exc}"
+    urls = gather(shared, ranks)[0]
     if not isinstance(urls, list):
         raise EngineError(f"the first rank's vLLM servers did not start: {urls}")
     if engine is not None:
         return engine
-    with_urls = e.model_copy(update={"urls": urls})
-    return local_engine(config.model, with_urls, seed=config.seed)[0]
+    return local_engine(config.model, e.model_copy(update={"urls": urls}), seed=config.seed)[0]
 
 
 async def _start(run: Run) -> dict[str, float]:
