@@ -10,17 +10,22 @@ runs both under bfloat16 autocast (turnrl: the body; its vocabulary projection s
   ``--micro-tokens`` padded tokens (``micro_batches``; ``turnrl-packed``: packed rows of at most
   that many tokens, no padding, as ``train.pack: true`` does), the body's hidden states projected
   through the vocabulary only at trained positions, in chunks (``token_logprobs``), the
-  ``ppo`` (clipped) token-mean loss.
+  ``ppo`` (clipped) token-mean loss; the first ``--keep-mib`` MiB of each micro-batch's
+  probabilities kept for the backward pass (``train.logprob_keep_mib``), the rest recomputed.
 - ``trl``: ``GRPOTrainer.compute_loss`` (TRL's own logprobs, its default loss, entropy as it
   computes it) on micro-batches of ``--trl-rows`` rows in the given order, left-padded prompts
   and right-padded completions as TRL lays them out.
+
+``--head`` times the vocabulary projection alone (one micro-batch's ``--head-positions`` trained
+positions, forward and backward), its probabilities kept against recomputed.
 
 Each side runs in its own process (so its peak resident memory is its own): one warm-up step,
 then ``--steps`` timed steps; trained tokens per second of the median step and the process's peak
 RSS above what it held after loading the model. Sides alternate, ``--repeats`` times.
 
     .venv/bin/python bench/trainer_speed.py [--model smollm2-135m] [--rows 16] [--prompt 128]
-        [--completion 384] [--steps 3] [--repeats 2] [--bf16] [--sides turnrl,turnrl-packed,trl]
+        [--completion 384] [--steps 3] [--repeats 2] [--bf16] [--keep-mib 512]
+        [--sides turnrl,turnrl-packed,trl]
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argpars
             b.loss_mask_B_T > 0,
             autocast=args.autocast,
             position_ids_B_T=b.position_ids_B_T,
+            keep_mib=args.keep_mib,
         )
         old = logprobs.detach()
         inputs = LossInputs(logprobs, old, old, b.advantages_B_T, b.loss_mask_B_T)
@@ -185,6 +191,39 @@ def run_side(args: argparse.Namespace) -> None:
     )
 
 
+def head_compare(args: argparse.Namespace) -> None:
+    """The vocabulary projection alone (``token_logprobs``' chunks, forward and backward) over one
+    micro-batch's trained positions, with the probabilities kept and recomputed, interleaved."""
+    from turnrl.models import load_model
+    from turnrl.train.logprobs import _ChunkLogprobs
+
+    weight = load_model(args.model).get_output_embeddings().weight.detach().requires_grad_()
+    g = torch.Generator().manual_seed(0)
+    rows = args.head_positions
+    hidden = torch.randn(rows, weight.shape[1], generator=g).requires_grad_()
+    targets = torch.randint(0, weight.shape[0], (rows,), generator=g)
+
+    def run(keep: bool) -> float:
+        t0 = time.perf_counter()
+        pieces = [
+            _ChunkLogprobs.apply(hidden[s : s + 256], weight, None, targets[s : s + 256], 1.0, None, keep)
+            for s in range(0, rows, 256)
+        ]
+        torch.cat(pieces).sum().backward()
+        return time.perf_counter() - t0
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.steps + 1):
+        for keep in (False, True):
+            times[keep].append(run(keep))
+    recompute, kept = (statistics.median(times[k][1:]) for k in (False, True))
+    mib = rows * weight.shape[0] * 4 / 2**20
+    print(
+        f"{args.model}: lm_head {tuple(weight.shape)}, {rows} trained positions (kept: {mib:.0f} MiB): "
+        f"recomputed {recompute:.3f} s, kept {kept:.3f} s (x{recompute / kept:.2f})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -193,14 +232,24 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=384)
     parser.add_argument("--micro-tokens", type=int, default=4096)
     parser.add_argument("--trl-rows", type=int, default=4)
+    parser.add_argument(
+        "--keep-mib", type=float, default=512.0, help="turnrl's train.logprob_keep_mib (0: recompute)"
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="both sides under bfloat16 autocast")
     parser.add_argument(
         "--sides", default="turnrl,trl", help="which to run, of turnrl, turnrl-packed (train.pack: true), trl"
     )
+    parser.add_argument(
+        "--head", action="store_true", help="time the vocabulary projection alone, kept against recomputed"
+    )
+    parser.add_argument("--head-positions", type=int, default=1340, help="trained positions, with --head")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.head:
+        head_compare(args)
+        return
     args.autocast = torch.bfloat16 if args.bf16 else None
     args.pack = args.side == "turnrl-packed"
     if args.side:

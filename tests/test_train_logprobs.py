@@ -202,3 +202,37 @@ def test_auto_packs_only_where_attention_takes_variable_lengths(model: Any) -> N
     assert model.config._attn_implementation in ("sdpa", "eager") and not packs("auto", model)
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
     assert packs("auto", flash) and packs(True, model) and not packs(False, flash)
+
+
+def test_kept_probabilities_skip_the_recomputation_and_give_the_same_values_and_gradients(
+    tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``keep_mib`` worth 2.2 chunks of 7 positions keeps the first two chunks' probabilities: their
+    backward projects nothing again, and values and gradients equal the recomputing path's, also
+    on a second backward pass over the same graph."""
+    import turnrl.train.logprobs as module
+
+    model = load_model(str(tiny_qwen3_dir), dtype=torch.float64)
+    ids, attention = inputs()
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    weights = weights * attention
+    recomputed = token_logprobs(model, ids, attention, temperature=0.7, chunk_size=7)
+    (recomputed * weights).sum().backward()
+    expected = grads(model)
+
+    projections = []
+    real_logits = module._logits
+    monkeypatch.setattr(module, "_logits", lambda *a: projections.append(1) or real_logits(*a))
+    chunk_mib = 7 * model.get_output_embeddings().weight.shape[0] * 8 / 2**20
+    kept = token_logprobs(model, ids, attention, temperature=0.7, chunk_size=7, keep_mib=2.2 * chunk_mib)
+    chunks = len(projections)
+    (kept * weights).sum().backward(retain_graph=True)
+    assert chunks == -(-int(attention[:, 1:].numel()) // 7) and len(projections) == 2 * chunks - 2
+    first = grads(model)
+    (kept * weights).sum().backward()
+    second = grads(model)
+    torch.testing.assert_close(kept, recomputed, atol=1e-12, rtol=0)
+    assert first.keys() == second.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(first[name], expected[name], atol=1e-12, rtol=1e-10, msg=name)
+        torch.testing.assert_close(second[name], expected[name], atol=1e-12, rtol=1e-10, msg=name)

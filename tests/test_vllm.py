@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -314,6 +315,49 @@ async def test_multi_turn_rollouts_through_vllm_are_exact(servers: Any, tmp_path
     assert max(t["num_turns"] for t in trajs) >= 2  # the env answered and the model went on
     assert all(t["metrics"]["check/ok"] for t in trajs)  # the strict re-render check, per trajectory
     assert {t["stop_reason"] for t in trajs} <= {"env_done", "max_turns", "length", "context_limit"}
+
+
+async def _until_running(url: str, count: int, what: str, timeout_s: float = 30.0) -> None:
+    """Wait until the server's ``vllm:num_requests_running`` (its Prometheus metrics) is ``count``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=10) as http:
+        while True:
+            lines = (await http.get(f"{url}/metrics")).text.splitlines()
+            running = sum(float(ln.split()[-1]) for ln in lines if ln.startswith("vllm:num_requests_running"))
+            if running == count:
+                return
+            assert time.monotonic() < deadline, f"{what}: {running:g} requests still run on the server"
+            await asyncio.sleep(0.2)
+
+
+async def test_abort_ends_this_clients_requests_and_no_other_clients(
+    client: VLLMServerEngine, smollm2_tokenizer: Any
+) -> None:
+    """Two clients of one server (a trainer and an eval job, or two ranks): one's abort ends its own
+    generation with the tokens received, the server stops generating it, and the other's goes on."""
+    other = VLLMServerEngine(client.base_url, timeout_s=120, request_params={"ignore_eos": True})
+    client.request_params = {"ignore_eos": True}
+    prompt = chat(smollm2_tokenizer, "Tell me a long story about the sea.")
+    sampling = SamplingParams(temperature=1.0, max_tokens=1500, seed=5)
+    try:
+        mine = asyncio.create_task(client.generate(prompt, sampling))
+        theirs = asyncio.create_task(other.generate(prompt, sampling))
+        await until(lambda: min(client.tokens_received, other.tokens_received) >= 16, 120, "both generating")
+        await client.abort_all()
+        cut = await asyncio.wait_for(mine, 10)
+        assert cut.finish_reason == "abort" and 16 <= len(cut.token_ids) == len(cut.logprobs) < 1500
+        assert cut.versions == [0] * len(cut.token_ids) and client.in_flight == 0
+        await _until_running(client.base_url, 1, "the server drops the aborted request")
+        at_abort = other.tokens_received
+        await until(lambda: other.tokens_received >= at_abort + 16, 60, "the other client's tokens go on")
+        assert not theirs.done()
+        await other.abort_all()
+        assert (await asyncio.wait_for(theirs, 10)).finish_reason == "abort"
+        await _until_running(client.base_url, 0, "the server runs nothing")
+    finally:
+        await other.close()
 
 
 async def test_pause_aborts_keeps_tokens_and_resumes_on_new_weights(

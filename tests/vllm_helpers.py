@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import subprocess
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -51,11 +52,14 @@ class PushGate:
     generating when that step's push comes depends on how long the update takes against the
     rollouts (a fast update pushes before the new groups reach the server, a slow one after they
     finished). With the gate: a group whose env is reset while the trainer learns waits there (at
-    most ``hold_s``) until the push comes; the push first releases the waiting groups, gives their
-    first turns ``lead_s`` to generate, then pauses them mid-turn and loads the weights."""
+    most ``hold_s``) until the push comes; the push first releases the waiting groups, lets their
+    first turns get under way (until ``lead_tokens`` more tokens have streamed back from the
+    engine, or ``lead_s`` for an engine that does not count them: a fixed wait is too long for
+    short turns on a fast server, and a turn paused before its first token is not split), then
+    pauses them mid-turn and loads the weights."""
 
-    def __init__(self, hold_s: float = 120.0, lead_s: float = 0.5) -> None:
-        self.hold_s, self.lead_s = hold_s, lead_s
+    def __init__(self, hold_s: float = 120.0, lead_s: float = 0.5, lead_tokens: int = 4) -> None:
+        self.hold_s, self.lead_s, self.lead_tokens = hold_s, lead_s, lead_tokens
         self.learning = False
         self.waiting = 0  # resets held for the coming push
         self.released = 0  # resets released into a push, over the run
@@ -85,10 +89,21 @@ class PushGate:
                 self.coming = None
             if held:
                 self.released += held
-                await asyncio.sleep(self.lead_s)
+                await self._lead(run.engine)
             await load(run)
 
         return loading
+
+    async def _lead(self, engine: Any) -> None:
+        """Wait until the released turns have streamed back their first tokens (at most 60 s)."""
+        engine = getattr(engine, "engine", engine)  # the client inside a ManagedEngine
+        start = getattr(engine, "tokens_received", None)
+        if start is None:
+            await asyncio.sleep(self.lead_s)
+            return
+        deadline = time.monotonic() + 60
+        while engine.tokens_received < start + self.lead_tokens and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
 
     async def hold(self) -> None:
         """In an env's reset: wait for the next push while the trainer learns."""

@@ -2,9 +2,12 @@
 
 Each generation streams ``/v1/completions`` (the prompt as token ids, ``return_token_ids``,
 the sampled token's logprob), so the tokens a server has produced are in hand at every
-moment. :meth:`VLLMServerEngine.abort_all` asks the server to abort everything it runs
-(``/abort_requests``, a dev-mode endpoint): each stream ends with finish_reason "abort" and
-the tokens it got so far, which partial rollout continues from after a weight update.
+moment. :meth:`VLLMServerEngine.abort_all` closes this client's streams, which vLLM takes as
+an abort of those requests alone (another client of the same server, an eval job or another
+training rank, goes on): each generation ends with finish_reason "abort" and the tokens it
+received, which partial rollout continues from after a weight update. Tokens the server sampled
+after the last one received are dropped with the request, so nothing is trained on that the
+rollout did not condition on.
 
 Turns with images (vision-language models) stream ``/inference/v1/generate`` instead (the
 server must run with ``--enable-scale-out``; managed servers of a VLM do): the prompt goes as
@@ -30,10 +33,12 @@ The server must run with ``VLLM_SERVER_DEV_MODE=1`` for these endpoints (managed
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,16 @@ from turnrl.types import EngineError, Generation, SamplingParams, Weights
 from turnrl.vision.processor import image_url
 
 WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class _Received:
+    """What one generation's stream has brought so far."""
+
+    info: dict[str, Any]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: str | None = None
 
 
 def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
@@ -196,6 +211,8 @@ class VLLMServerEngine:
         self._own_weights_dir = False
         self._version = 0
         self.in_flight = 0  # generations waiting on the server now
+        self._streams: set[asyncio.Future[Any]] = set()  # the streams being read now
+        self._aborted: set[asyncio.Future[Any]] = set()  # those abort_all closed
         self.tokens_received = 0  # sampled tokens streamed back so far, all generations together
 
     @property
@@ -221,35 +238,51 @@ class VLLMServerEngine:
         if not prompt_ids:
             raise RequestError("empty prompt")
         path, body = self._request(prompt_ids, sampling, images)
-        ids: list[int] = []
-        logprobs: list[float] = []
-        reason: str | None = None
-        info: dict[str, Any] = {"server": self.base_url}
+        got = _Received(info={"server": self.base_url})
+        stream = asyncio.ensure_future(self._read(path, body, prompt_ids if images else None, got))
+        self._streams.add(stream)
         self.in_flight += 1
         try:
+            await stream
+        except asyncio.CancelledError:
+            if stream not in self._aborted:
+                stream.cancel()
+                raise  # the caller was cancelled
+            got.reason = "abort"
+        finally:
+            self.in_flight -= 1
+            self._streams.discard(stream)
+            self._aborted.discard(stream)
+        version = self._version
+        got.info["weight_versions"] = [version, version]
+        stop_ids = self.eos_token_ids | frozenset(sampling.stop_token_ids)
+        gen = finish(
+            got.ids, got.logprobs, got.reason, stop_ids, got.info, eos_known=bool(self.eos_token_ids)
+        )
+        gen.versions = [version] * len(gen.token_ids)
+        return gen
+
+    async def _read(
+        self, path: str, body: dict[str, Any], images_prompt: Sequence[int] | None, got: _Received
+    ) -> None:
+        """Read one generation's stream into ``got``, event by event (an abort keeps what arrived);
+        ``images_prompt``: the prompt to compare with the one vLLM expanded, for turns with images."""
+        try:
             async for event in self._client.events(path, body):
-                if images and "prompt_token_ids" in event:
-                    self._check_prompt(prompt_ids, event["prompt_token_ids"])
+                if images_prompt is not None and "prompt_token_ids" in event:
+                    self._check_prompt(images_prompt, event["prompt_token_ids"])
                 choice = present(
                     (event.get("choices") or [None])[0], f"{self.base_url}: an event has no choice"
                 )
                 new = [int(t) for t in choice.get("token_ids") or ()]
-                ids += new
+                got.ids += new
                 self.tokens_received += len(new)
-                logprobs += event_logprobs(choice)
-                reason = choice.get("finish_reason") or reason
+                got.logprobs += event_logprobs(choice)
+                got.reason = choice.get("finish_reason") or got.reason
                 if choice.get("stop_reason") is not None:
-                    info["stop_reason"] = choice["stop_reason"]
+                    got.info["stop_reason"] = choice["stop_reason"]
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise RequestError(f"{self.base_url}: malformed completion event ({exc!r})") from None
-        finally:
-            self.in_flight -= 1
-        version = self._version
-        info["weight_versions"] = [version, version]
-        stop_ids = self.eos_token_ids | frozenset(sampling.stop_token_ids)
-        gen = finish(ids, logprobs, reason, stop_ids, info, eos_known=bool(self.eos_token_ids))
-        gen.versions = [version] * len(gen.token_ids)
-        return gen
 
     def _request(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Sequence[Any]
@@ -278,8 +311,14 @@ class VLLMServerEngine:
             )
 
     async def abort_all(self) -> None:
-        """Abort every request on the server; each stream returns its tokens with finish "abort"."""
-        await self._client.post("/abort_requests", {})
+        """Abort this client's generations in flight: their streams close (vLLM aborts a request
+        whose client went away) and each returns the tokens received so far, finish "abort".
+        Other clients' requests on the server go on. Returns once the streams are closed."""
+        streams = [s for s in self._streams if not s.done()]
+        for stream in streams:
+            self._aborted.add(stream)
+            stream.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
 
     async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
         """Load new weights into the server in place; the new version (``version``, else previous + 1).

@@ -5,7 +5,7 @@ vLLM pins its own torch and transformers, so it lives in its own virtualenv, bui
 package) into ``$TURNRL_VLLM_HOME`` or ``<turnrl cache>/vllm``. A server is
 ``python -m vllm.entrypoints.openai.api_server`` from that environment, on a loopback port,
 with ``VLLM_SERVER_DEV_MODE=1`` for the endpoints a trainer needs (``/collective_rpc`` to
-reload weights, ``/pause``, ``/resume``, ``/abort_requests``, ``/reset_prefix_cache``), and
+reload weights, ``/pause``, ``/resume``, ``/reset_prefix_cache``), and
 turnrl's worker extension (``turnrl.engines.vllm_worker``: the refresh of tied weights after a
 reload).
 """

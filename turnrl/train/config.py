@@ -143,6 +143,9 @@ class TrainLoopConfig(_Strict):
     # auto: where the attention kernel takes variable lengths (flash attention), else padded rows
     pack: bool | Literal["auto"] = "auto"
     logprob_chunk: int = Field(256, ge=1)  # positions projected through lm_head at a time
+    # MiB of a micro-batch's vocabulary probabilities kept from the forward pass, so the backward
+    # does not recompute them (0: recompute every chunk; the bound is then one chunk)
+    logprob_keep_mib: float = Field(512.0, ge=0)
     # bfloat16: the policy's forward and backward under bfloat16 autocast (mixed precision: weights,
     # optimizer state and the vocabulary projection stay float32)
     precision: Literal["float32", "bfloat16"] = "float32"

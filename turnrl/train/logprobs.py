@@ -6,6 +6,11 @@ checkpointed by hand: the forward pass keeps only the chunk's hidden states and 
 and the backward pass recomputes the chunk's logits and turns them into their own gradient in
 place. So one ``[chunk, V]`` float buffer is alive at a time, in either pass; with a 152k
 vocabulary that is the difference between gigabytes and megabytes.
+
+Memory left over buys speed: with ``keep_mib``, the first chunks' probabilities, up to that many
+MiB, are kept from the forward pass, and their backward skips the recomputation (one product of
+the vocabulary projection's three, and an exponential, per kept chunk). The bound is then
+``keep_mib`` plus one chunk.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ def _logits(
 
 
 class _ChunkLogprobs(torch.autograd.Function):
-    """``log_softmax(hidden @ W.T / T)[target]`` of one chunk; the backward recomputes the logits.
-    With ``product_V_H`` (a detached low-precision copy of ``W``) the products run in its dtype;
-    the log-softmax, and the gradients handed back, stay in float32."""
+    """``log_softmax(hidden @ W.T / T)[target]`` of one chunk; the backward recomputes the logits,
+    unless ``keep`` kept the chunk's probabilities from the forward pass. With ``product_V_H`` (a
+    detached low-precision copy of ``W``) the products run in its dtype; the log-softmax, and the
+    gradients handed back, stay in float32."""
 
     @staticmethod
     def forward(
@@ -48,23 +54,29 @@ class _ChunkLogprobs(torch.autograd.Function):
         targets_N: torch.Tensor,
         temperature: float,
         product_V_H: torch.Tensor | None = None,
+        keep: bool = False,
     ) -> torch.Tensor:
         matrix = product_V_H if product_V_H is not None else weight_V_H
         logits_N_V = _logits(hidden_N_H, matrix, bias_V, temperature)
         lse_N = torch.logsumexp(logits_N_V, -1)
         picked_N = logits_N_V.gather(-1, targets_N[:, None]).squeeze(-1)
-        ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N, lse_N, product_V_H)
+        kept_N_V = logits_N_V.sub_(lse_N[:, None]).exp_() if keep else None  # the softmax, in place
+        ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N, lse_N, product_V_H, kept_N_V)
         ctx.temperature = temperature
         return picked_N - lse_N
 
     @staticmethod
     def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """``d logp_n / d logit_nv = (onehot(target_n) - softmax_nv) / T``, built in one buffer."""
-        hidden_N_H, weight_V_H, bias_V, targets_N, lse_N, product_V_H = ctx.saved_tensors
+        hidden_N_H, weight_V_H, bias_V, targets_N, lse_N, product_V_H, kept_N_V = ctx.saved_tensors
         matrix = product_V_H if product_V_H is not None else weight_V_H
         grad_N = grad_N.to(lse_N.dtype)
-        grad_N_V = _logits(hidden_N_H, matrix, bias_V, ctx.temperature).sub_(lse_N[:, None]).exp_()
-        grad_N_V.mul_(-grad_N[:, None]).scatter_add_(1, targets_N[:, None], grad_N[:, None])
+        if kept_N_V is not None:  # a new buffer: the kept one stays intact for another backward
+            grad_N_V = kept_N_V * -grad_N[:, None]
+        else:
+            grad_N_V = _logits(hidden_N_H, matrix, bias_V, ctx.temperature).sub_(lse_N[:, None]).exp_()
+            grad_N_V.mul_(-grad_N[:, None])
+        grad_N_V.scatter_add_(1, targets_N[:, None], grad_N[:, None])
         if ctx.temperature != 1.0:
             grad_N_V.div_(ctx.temperature)
         grad_N_V = grad_N_V.to(matrix.dtype)
@@ -75,7 +87,7 @@ class _ChunkLogprobs(torch.autograd.Function):
             grad_weight = (grad_N_V.T @ hidden_N_H.to(matrix.dtype)).to(weight_V_H.dtype)
         if bias_V is not None and ctx.needs_input_grad[2]:
             grad_bias = grad_N_V.sum(0).to(bias_V.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _check_plain_head(model: PreTrainedModel) -> None:
@@ -96,6 +108,7 @@ def token_logprobs(
     multimodal: Mapping[str, torch.Tensor] | None = None,
     autocast: torch.dtype | None = None,
     position_ids_B_T: torch.Tensor | None = None,
+    keep_mib: float = 0.0,
 ) -> torch.Tensor:
     """``logprobs_B_T[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``.
 
@@ -109,6 +122,8 @@ def token_logprobs(
     returned logprobs and every gradient stay float32.
     ``position_ids_B_T`` marks packed rows (several sequences end to end, each numbered from 0):
     the attention mask is then left out, and the model keeps each sequence to itself.
+    ``keep_mib``: MiB of the chunks' probabilities kept for the backward pass instead of recomputed
+    (chunks that fit, from the first; 0: every chunk recomputes, one chunk's buffer at a time).
     """
     _check_plain_head(model)
     batch, length = input_ids_B_T.shape
@@ -126,14 +141,20 @@ def token_logprobs(
     head = model.get_output_embeddings()
     assert isinstance(head, torch.nn.Linear), "chunked logprobs need a linear lm_head"
     product = head.weight.detach().to(autocast) if autocast is not None else None  # cast once
+    dtype = torch.promote_types(head.weight.dtype, torch.float32)
+    backward = torch.is_grad_enabled() and (hidden_N_H.requires_grad or head.weight.requires_grad)
+    row_bytes = head.weight.shape[0] * dtype.itemsize
+    budget = keep_mib * 2**20 if backward else 0.0
     pieces = []
     for start in range(0, targets_N.numel(), chunk_size):
         chunk = slice(start, start + chunk_size)
+        size = row_bytes * min(chunk_size, targets_N.numel() - start)
+        keep = size <= budget
+        budget -= size if keep else 0
         piece = _ChunkLogprobs.apply(
-            hidden_N_H[chunk], head.weight, head.bias, targets_N[chunk], temperature, product
+            hidden_N_H[chunk], head.weight, head.bias, targets_N[chunk], temperature, product, keep
         )
         pieces.append(piece)
-    dtype = torch.promote_types(head.weight.dtype, torch.float32)
     logprobs_N = torch.cat(pieces) if pieces else hidden_N_H.new_zeros(0, dtype=dtype)
     logprobs_B_S = torch.zeros(batch, length - 1, dtype=dtype, device=input_ids_B_T.device)
     logprobs_B_S = logprobs_B_S.masked_scatter(want_B_S, logprobs_N)

@@ -67,6 +67,7 @@ def sft_epochs(
     micro_batch_tokens: int,
     chunk_size: int,
     seed: int,
+    keep_mib: float = 0.0,
     on_step: Callable[[], None] | None = None,
     forward: Callable[..., torch.Tensor] | None = None,
     grad_scale: float = 1.0,
@@ -75,7 +76,7 @@ def sft_epochs(
     """AdamW on the token-mean negative log-likelihood of the model tokens; the loss of each step.
     ``forward`` computes the logprobs (default ``token_logprobs`` of ``model``; a sharded policy's
     root under FSDP); each loss is multiplied by ``grad_scale`` before its backward pass; ``packed``:
-    micro-batches as packed rows (see ``batches_of``)."""
+    micro-batches as packed rows (see ``batches_of``); ``keep_mib``: see ``token_logprobs``."""
     logprobs = forward or functools.partial(token_logprobs, model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -98,6 +99,7 @@ def sft_epochs(
                     b.attention_mask_B_T,
                     mask > 0,
                     chunk_size=chunk_size,
+                    keep_mib=keep_mib,
                     multimodal=b.multimodal,
                     position_ids_B_T=b.position_ids_B_T,
                 )
@@ -147,6 +149,7 @@ async def warm_start(
         micro_batch_tokens=config.train.micro_batch_tokens,
         chunk_size=config.train.logprob_chunk,
         seed=config.seed,
+        keep_mib=config.train.logprob_keep_mib,
         on_step=progress.advance if progress is not None else None,
         forward=forward,
         grad_scale=grad_scale,

@@ -220,6 +220,7 @@ def _logprobs(run: Run, model: Any, batch: Batch) -> torch.Tensor:
         batch.loss_mask_B_T > 0,
         temperature=config.sampling.temperature or 1.0,
         chunk_size=config.train.logprob_chunk,
+        keep_mib=config.train.logprob_keep_mib,
         multimodal=batch.multimodal,
         autocast=torch.bfloat16 if config.train.precision == "bfloat16" else None,
         position_ids_B_T=batch.position_ids_B_T,
@@ -597,22 +598,23 @@ def _gathered_weights(run: Run) -> dict[str, torch.Tensor]:
 
 async def _servers_load(run: Run) -> None:
     """The servers load the checkpoint in ``run.weights_dir``. Overlapped training: every rank's turns
-    in flight stop where they are (their tokens kept) and go on from their last token under the new
-    weights (a partial rollout). Under torchrun the first rank aborts and updates, once every rank
-    holds its turns; the others then take up the version the servers report."""
+    in flight stop where they are (each rank aborts its own requests; their tokens are kept) and go
+    on from their last token under the new weights (a partial rollout). Under torchrun the first
+    rank updates once every rank has paused; the others then take up the version the servers report."""
     control, ranks = run.spec.control, run.ranks
     new = int(getattr(run.engine, "weight_version", 0)) + 1
-    if control is not None:
-        control.hold()
+    failure: BaseException | None = None  # raised once every rank has passed both barriers
     try:
-        await asyncio.to_thread(barrier, ranks)  # every rank holds its turns; the checkpoint is written
-        failure: BaseException | None = None
-        if ranks.main:
+        try:
+            if control is not None:
+                await control.pause(as_abortable(run.engine))
+        except Exception as exc:
+            failure = exc
+        await asyncio.to_thread(barrier, ranks)  # every rank has paused; the checkpoint is written
+        if ranks.main and failure is None:
             try:
-                if control is not None:
-                    await as_abortable(run.engine).abort_all()
                 await as_updatable(run.engine).update_weights(run.weights_dir or "")
-            except Exception as exc:  # raised once the others have passed the barrier too
+            except Exception as exc:
                 failure = exc
         await asyncio.to_thread(barrier, ranks)  # the servers serve the new weights (or failed to)
         if failure is not None:
