@@ -25,6 +25,7 @@ from reference import chat_prompt, max_diff, reference_logprobs
 from turnrl.engines.http import RequestError, ServerError
 from turnrl.engines.openai import OpenAIEngine, completion_payload
 from turnrl.engines.sglang import SGLangEngine
+from turnrl.testing import until
 from turnrl.types import SamplingParams
 
 EOS = 151645  # <|im_end|>
@@ -206,6 +207,48 @@ async def test_a_malformed_answer_is_a_request_error(body: Any) -> None:
 
 
 # ---- SGLang native /generate (schema, MockTransport) ----
+
+
+class _HangingStream(httpx.AsyncByteStream):
+    """Server-sent events, then a stream that stays open (a server still generating)."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = events
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for event in self.events:
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        await asyncio.Event().wait()  # until the client closes the stream
+
+
+def _event(ids: list[int], finish: str | None) -> dict[str, Any]:
+    """One streamed /v1/completions event."""
+    logprobs = {"token_logprobs": [-0.5] * len(ids)}
+    return {"choices": [{"index": 0, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+async def test_vllm_abort_closes_this_clients_streams_keeping_what_arrived() -> None:
+    """``abort_all`` ends a turn mid-way with the tokens received (finish "abort"); a turn whose
+    final event came before the abort (its stream not yet closed) keeps its finish ("length": an
+    abort would have the rollout sample past ``max_tokens``)."""
+    from turnrl.engines.vllm import VLLMServerEngine
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        done = json.loads(request.content)["max_tokens"] == 2
+        events = [_event([13048], None), _event([12], "length")] if done else [_event([13048, 11], None)]
+        return httpx.Response(200, stream=_HangingStream(events))
+
+    engine = VLLMServerEngine("http://vllm", eos_token_ids=[EOS], transport=httpx.MockTransport(handler))
+    cut = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_tokens=50)))
+    whole = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_tokens=2)))
+    await until(lambda: engine.tokens_received == 4, 10, "both streams under way")
+    await engine.abort_all()
+    partial, finished = await asyncio.wait_for(asyncio.gather(cut, whole), 10)
+    assert (partial.token_ids, partial.finish_reason) == ([13048, 11], "abort")
+    assert partial.logprobs == [-0.5, -0.5]
+    assert (finished.token_ids, finished.finish_reason) == ([13048, 12], "length")
+    assert engine.in_flight == 0
+    await engine.close()
 
 
 async def test_sglang_generate_request_and_response() -> None:

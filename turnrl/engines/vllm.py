@@ -248,7 +248,7 @@ class VLLMServerEngine:
             if stream not in self._aborted:
                 stream.cancel()
                 raise  # the caller was cancelled
-            got.reason = "abort"
+            got.reason = got.reason or "abort"  # a finish that arrived before the abort stands
         finally:
             self.in_flight -= 1
             self._streams.discard(stream)
