@@ -195,21 +195,17 @@ def head_compare(args: argparse.Namespace) -> None:
     """The vocabulary projection alone (``token_logprobs``' chunks, forward and backward) over one
     micro-batch's trained positions, with the probabilities kept and recomputed, interleaved."""
     from turnrl.models import load_model
-    from turnrl.train.logprobs import _ChunkLogprobs
+    from turnrl.train.logprobs import head_logprobs
 
-    weight = load_model(args.model).get_output_embeddings().weight.detach().requires_grad_()
+    head = load_model(args.model).get_output_embeddings()
     g = torch.Generator().manual_seed(0)
     rows = args.head_positions
-    hidden = torch.randn(rows, weight.shape[1], generator=g).requires_grad_()
-    targets = torch.randint(0, weight.shape[0], (rows,), generator=g)
+    hidden = torch.randn(rows, head.weight.shape[1], generator=g).requires_grad_()
+    targets = torch.randint(0, head.weight.shape[0], (rows,), generator=g)
 
     def run(keep: bool) -> float:
         t0 = time.perf_counter()
-        pieces = [
-            _ChunkLogprobs.apply(hidden[s : s + 256], weight, None, targets[s : s + 256], 1.0, None, keep)
-            for s in range(0, rows, 256)
-        ]
-        torch.cat(pieces).sum().backward()
+        head_logprobs(hidden, head, targets, keep_mib=float("inf") if keep else 0.0).sum().backward()
         return time.perf_counter() - t0
 
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -217,9 +213,9 @@ def head_compare(args: argparse.Namespace) -> None:
         for keep in (False, True):
             times[keep].append(run(keep))
     recompute, kept = (statistics.median(times[k][1:]) for k in (False, True))
-    mib = rows * weight.shape[0] * 4 / 2**20
+    mib = rows * head.weight.shape[0] * 4 / 2**20
     print(
-        f"{args.model}: lm_head {tuple(weight.shape)}, {rows} trained positions (kept: {mib:.0f} MiB): "
+        f"{args.model}: lm_head {tuple(head.weight.shape)}, {rows} trained positions (kept: {mib:.0f} MiB): "
         f"recomputed {recompute:.3f} s, kept {kept:.3f} s (x{recompute / kept:.2f})"
     )
 

@@ -210,7 +210,6 @@ class VLLMServerEngine:
         self.refresh_tied_weights = refresh_tied_weights
         self._own_weights_dir = False
         self._version = 0
-        self.in_flight = 0  # generations waiting on the server now
         self._streams: set[asyncio.Future[Any]] = set()  # the streams being read now
         self._aborted: set[asyncio.Future[Any]] = set()  # those abort_all closed
         self.tokens_received = 0  # sampled tokens streamed back so far, all generations together
@@ -219,6 +218,11 @@ class VLLMServerEngine:
     def base_url(self) -> str:
         """The server root this engine talks to."""
         return self._client.base_url
+
+    @property
+    def in_flight(self) -> int:
+        """Generations waiting on the server now."""
+        return len(self._streams)
 
     @property
     def weight_version(self) -> int:
@@ -241,7 +245,6 @@ class VLLMServerEngine:
         got = _Received(info={"server": self.base_url})
         stream = asyncio.ensure_future(self._read(path, body, prompt_ids if images else None, got))
         self._streams.add(stream)
-        self.in_flight += 1
         try:
             await stream
         except asyncio.CancelledError:
@@ -250,7 +253,6 @@ class VLLMServerEngine:
                 raise  # the caller was cancelled
             got.reason = got.reason or "abort"  # a finish that arrived before the abort stands
         finally:
-            self.in_flight -= 1
             self._streams.discard(stream)
             self._aborted.discard(stream)
         version = self._version

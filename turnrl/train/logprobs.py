@@ -140,6 +140,27 @@ def token_logprobs(
     targets_N = input_ids_B_T[:, 1:][want_B_S]
     head = model.get_output_embeddings()
     assert isinstance(head, torch.nn.Linear), "chunked logprobs need a linear lm_head"
+    logprobs_N = head_logprobs(
+        hidden_N_H, head, targets_N, temperature=temperature, chunk_size=chunk_size, autocast=autocast,
+        keep_mib=keep_mib,
+    )  # fmt: skip
+    logprobs_B_S = torch.zeros(batch, length - 1, dtype=logprobs_N.dtype, device=input_ids_B_T.device)
+    logprobs_B_S = logprobs_B_S.masked_scatter(want_B_S, logprobs_N)
+    return F.pad(logprobs_B_S, (1, 0))
+
+
+def head_logprobs(
+    hidden_N_H: torch.Tensor,
+    head: torch.nn.Linear,
+    targets_N: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    autocast: torch.dtype | None = None,
+    keep_mib: float = 0.0,
+) -> torch.Tensor:
+    """``log_softmax(head(hidden_N_H) / T)[targets_N]``, through ``head`` a chunk of positions at a
+    time (see ``token_logprobs`` for the options)."""
     product = head.weight.detach().to(autocast) if autocast is not None else None  # cast once
     dtype = torch.promote_types(head.weight.dtype, torch.float32)
     backward = torch.is_grad_enabled() and (hidden_N_H.requires_grad or head.weight.requires_grad)
@@ -155,10 +176,7 @@ def token_logprobs(
             hidden_N_H[chunk], head.weight, head.bias, targets_N[chunk], temperature, product, keep
         )
         pieces.append(piece)
-    logprobs_N = torch.cat(pieces) if pieces else hidden_N_H.new_zeros(0, dtype=dtype)
-    logprobs_B_S = torch.zeros(batch, length - 1, dtype=dtype, device=input_ids_B_T.device)
-    logprobs_B_S = logprobs_B_S.masked_scatter(want_B_S, logprobs_N)
-    return F.pad(logprobs_B_S, (1, 0))
+    return torch.cat(pieces) if pieces else hidden_N_H.new_zeros(0, dtype=dtype)
 
 
 def _hidden_states(
