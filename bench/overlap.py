@@ -62,6 +62,9 @@ class SlowKeyLookupEnv(KeyLookupEnv):
         return await super().step(action)
 
 
+PARTS = ("rollout", "train", "sync")  # a synchronous step's parts (time/* in metrics.jsonl)
+
+
 def env_sets(latency: float) -> list[str]:
     """The overrides that give the demo's env ``latency`` seconds a step (none for 0)."""
     if not latency:
@@ -109,15 +112,24 @@ def run(
         "trainer_idle": statistics.fmean(r.get("async/trainer_idle_s", 0.0) for r in records),
         "rollout_idle": statistics.fmean(r.get("async/rollout_idle_s", 0.0) for r in records),
         "reward": statistics.fmean(r["reward/mean"] for r in records),
+        **{part: statistics.fmean(r.get(f"time/{part}", 0.0) for r in records[1:]) for part in PARTS},
     }
 
 
-def curve(overlap: bool, out: Path, latency: float, engine: str) -> tuple[float, list[tuple[int, float]]]:
+def overlap_bound(sync: dict[str, Any]) -> float:
+    """The most a synchronous step can gain by hiding training and push behind the rollout."""
+    whole = sum(sync[part] for part in PARTS)
+    return whole / max(sync["rollout"], sync["train"] + sync["sync"])
+
+
+def curve(
+    overlap: bool, out: Path, latency: float, engine: str, staleness: int = 1, extra: tuple[str, ...] = ()
+) -> tuple[float, list[tuple[int, float]]]:
     """The whole README demo; its wall time and held-out reward at each evaluation."""
     sets = [f"output_dir={out}", "train.plot=false", "train.save_every=0", *env_sets(latency)]
-    sets.append(f"engine.kind={engine}")
+    sets += [f"engine.kind={engine}", *extra]
     if overlap:
-        sets += ["train.overlap=true", "algorithm.max_staleness=1"]
+        sets += ["train.overlap=true", f"algorithm.max_staleness={staleness}"]
     t0 = time.perf_counter()
     train(load_train_config(EXAMPLE, sets), console=Console(file=io.StringIO()))
     wall = time.perf_counter() - t0
@@ -125,10 +137,10 @@ def curve(overlap: bool, out: Path, latency: float, engine: str) -> tuple[float,
     return wall, [(r["step"], r["eval/reward/mean"]) for r in records if "eval/reward/mean" in r]
 
 
-def curves(latency: float, engine: str) -> None:
+def curves(latency: float, engine: str, staleness: int, extra: tuple[str, ...]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overlap in (("synchronous", False), ("overlapped", True)):
-            wall, held_out = curve(overlap, Path(tmp) / name, latency, engine)
+            wall, held_out = curve(overlap, Path(tmp) / name, latency, engine, staleness, extra)
             shown = ", ".join(f"step {s}: {r:.3f}" for s, r in held_out)
             print(f"{name}: {wall / 60:.1f} min; held-out reward {shown}", flush=True)
 
@@ -146,7 +158,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.curve:
-        curves(args.env_latency, args.engine)
+        curves(args.env_latency, args.engine, args.max_staleness, tuple(args.set))
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,7 +182,9 @@ def main() -> None:
                 f"against {over['trajs_per_s']:.2f}; overlapped: {over['stale']:.0%} of tokens one or more "
                 f"versions old, {over['refused']:.0f} refused, trainer idle {over['trainer_idle']:.1f} s "
                 f"a step, rollout idle {over['rollout_idle']:.1f} s; mean reward "
-                f"{sync['reward']:.3f} sync, {over['reward']:.3f} overlapped",
+                f"{sync['reward']:.3f} sync, {over['reward']:.3f} overlapped; a sync step is "
+                f"{sync['rollout']:.1f} s rollout + {sync['train']:.1f} s train + {sync['sync']:.1f} s push "
+                f"(overlap bound x{overlap_bound(sync):.2f})",
                 flush=True,
             )
     ratio = statistics.median(s["step_s"] / o["step_s"] for s, o in rows)

@@ -4,7 +4,8 @@ engine (SGLang itself has no CPU build).
 
 The server answers with SGLang's schema: ``output_ids``, ``meta_info.output_token_logprobs`` as
 [logprob, id, text], ``meta_info.finish_reason`` as {"type": stop | length | abort},
-``meta_info.weight_version``; ``/abort_request`` with ``abort_all`` aborts what is in flight.
+``meta_info.weight_version``; ``/abort_request`` (by ``rid`` or ``abort_all``) aborts everything
+in flight on its engine (a superset of what SGLang aborts for a rid: enough for these tests).
 slime is not on PyPI: without it, ``ContractSample`` has the same fields and ``Status`` enum as
 slime's ``slime/utils/types.py`` declares them.
 """

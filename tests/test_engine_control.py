@@ -41,11 +41,47 @@ def recording(answer: dict[str, Any]) -> tuple[httpx.MockTransport, list[dict[st
 # ---- SGLang ----
 
 
-async def test_sglang_abort_all_request() -> None:
-    transport, seen = recording({})
-    engine = SGLangEngine("http://sglang:30000", transport=transport)
-    await engine.abort_all()
-    assert seen == [{"path": "/abort_request", "abort_all": True}]
+class _SGLangAborts:
+    """A server's /generate that holds each request until ``/abort_request`` names its rid, then
+    answers finish "abort" with one token sampled; records every abort body."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, asyncio.Event] = {}
+        self.aborts: list[dict[str, Any]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path == "/abort_request":
+            self.aborts.append(body)
+            if body.get("rid") in self.held:
+                self.held[body["rid"]].set()
+            return httpx.Response(200, json={})
+        self.held[body["rid"]] = asyncio.Event()
+        await self.held[body["rid"]].wait()
+        meta = {"id": body["rid"], "finish_reason": {"type": "abort"}}
+        meta["output_token_logprobs"] = [[-0.5, 9, None]]
+        return httpx.Response(200, json={"text": "", "output_ids": [9], "meta_info": meta})
+
+
+async def test_sglang_abort_all_aborts_this_clients_requests_by_rid() -> None:
+    """Two clients share one server: ``abort_all`` names its own requests' rids (not SGLang's
+    ``abort_all: true``, which would end the other client's too), each ends "abort" with the token
+    sampled; the other client's request runs on until it is aborted in turn."""
+    server = _SGLangAborts()
+    transport = httpx.MockTransport(server)
+    ours, theirs = (SGLangEngine("http://sglang:30000", transport=transport) for _ in range(2))
+    mine = [asyncio.create_task(ours.generate(PROMPT, SamplingParams(max_tokens=8))) for _ in range(2)]
+    other = asyncio.create_task(theirs.generate(PROMPT, SamplingParams(max_tokens=8)))
+    await until(lambda: len(server.held) == 3 and ours.in_flight == 2)
+    await ours.abort_all()
+    gens = await asyncio.wait_for(asyncio.gather(*mine), 5)
+    assert all((g.token_ids, g.finish_reason) == ([9], "abort") for g in gens) and ours.in_flight == 0
+    assert sorted(a["rid"] for a in server.aborts) == sorted(g.info["rid"] for g in gens)
+    assert not other.done() and theirs.in_flight == 1
+    await ours.abort_all()  # nothing of ours in flight: posts nothing
+    assert len(server.aborts) == 2
+    await theirs.abort_all()
+    assert (await asyncio.wait_for(other, 5)).finish_reason == "abort"
 
 
 @pytest.mark.parametrize("logprobs_field", [True, False])

@@ -11,9 +11,12 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+import turnrl.train.overlap as overlap
 import turnrl.train.trainer as trainer
+from turnrl.engines.hf.scheduler import Scheduler
 from turnrl.env import register_env
 from turnrl.rollout.codec import trajectory_from_json
+from turnrl.rollout.collector import collect
 from turnrl.testing import ParityEnv
 from turnrl.train.config import TrainConfig
 from turnrl.train.loop import train
@@ -24,6 +27,28 @@ QUIET = Console(file=io.StringIO())
 
 
 register_env("test_overlap_coin", ParityEnv, ParityEnv.dataset)
+
+
+class FlatEnv(ParityEnv):
+    """Every trajectory scores 1: every group's rewards are equal."""
+
+    async def score(self, trajectory: Trajectory) -> float:
+        return 1.0
+
+
+register_env("test_overlap_flat", FlatEnv, FlatEnv.dataset)
+
+
+def count_groups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the groups the overlapped producer starts (in the returned list's one item)."""
+    started = [0]
+
+    async def counted(*args: Any, **kwargs: Any) -> list[Trajectory]:
+        started[0] += 1
+        return await collect(*args, **kwargs)
+
+    monkeypatch.setattr(overlap, "collect", counted)
+    return started
 
 
 def config(tmp_path: Path, model: Path, name: str, **train_keys: Any) -> TrainConfig:
@@ -60,10 +85,15 @@ def test_a_slow_trainer_never_trains_past_the_staleness_bound(
         return update(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "update_policy", slow)
+    started = count_groups(monkeypatch)
     cfg = config(tmp_path, tiny_qwen3_dir, "async", overlap=True, max_inflight_groups=6)
     train(cfg, console=QUIET)
     records = read_metrics(tmp_path / "async" / "metrics.jsonl")[1:]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
+    # every group rolled out was taken by a step (the refused ones too): past the last step the
+    # producer rolls out only the refills of dropped groups, nothing the run would throw away
+    taken = sum(len(rollouts(tmp_path / "async", step)) for step in range(1, 5)) // 4
+    assert started[0] == taken >= 4 * 2
     assert all(r["async/staleness_max"] <= 1 for r in records)
     assert sum(r["train/refused_versions"] for r in records) > 0  # stale groups were met and refused
     assert any(r.get("async/staleness/1", 0) > 0 for r in records)  # tokens a version old were trained
@@ -93,6 +123,37 @@ def test_versions_per_token_mean_the_same_in_sync_and_overlapped_runs(
     assert all(r["async/staleness_max"] <= 1 for r in records)
 
 
+@pytest.mark.parametrize("env", ["test_overlap_coin", "test_overlap_flat"])
+def test_overlapped_dynamic_sampling_skips_flat_groups_within_its_rounds(
+    tmp_path: Path, tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch, env: str
+) -> None:
+    """``algorithm.dynamic_sampling`` with overlap: a step skips groups whose rewards are all equal
+    (groups of 2 coin flips: half of them) and takes the next ones, up to ``max_rounds`` steps' worth
+    of groups; it trains on the varied ones only. When every group is flat the run still ends, each
+    step short of all its groups. Past the last step only refills of dropped groups are rolled out."""
+    started = count_groups(monkeypatch)
+    cfg = config(tmp_path, tiny_qwen3_dir, "dyn", overlap=True).model_dump()
+    cfg["env"]["name"] = env
+    cfg["rollout"]["group_size"] = 2
+    cfg["algorithm"]["dynamic_sampling"] = {"max_rounds": 3}
+    train(TrainConfig.model_validate(cfg), console=QUIET)
+    records = read_metrics(tmp_path / "dyn" / "metrics.jsonl")[1:]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    taken = 0
+    for r in records:
+        groups = len(rollouts(tmp_path / "dyn", r["step"])) // 2
+        taken += groups
+        assert groups == r["dynamic/kept_groups"] + r["dynamic/flat_groups"] <= 2 * 3
+        assert r["dynamic/kept_groups"] + r["dynamic/short_groups"] == 2 and r["dynamic/rounds"] <= 3
+        assert r["train/groups"] == r["dynamic/kept_groups"]
+    flat = sum(r["dynamic/flat_groups"] for r in records)
+    if env == "test_overlap_flat":
+        assert all(r["dynamic/short_groups"] == 2 and r["dynamic/rounds"] == 3 for r in records)
+    else:
+        assert flat > 0 and sum(r["dynamic/kept_groups"] for r in records) > 4
+    assert taken <= started[0] <= taken + sum(r["dynamic/short_groups"] for r in records)
+
+
 def test_overlap_needs_a_staleness_bound(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     data = config(tmp_path, tiny_qwen3_dir, "x", overlap=True).model_dump()
     data["algorithm"]["max_staleness"] = 0
@@ -101,11 +162,20 @@ def test_overlap_needs_a_staleness_bound(tmp_path: Path, tiny_qwen3_dir: Path) -
 
 
 def test_masking_offpolicy_tokens_leaves_loss_only_on_each_trajectorys_newest_version(
-    tmp_path: Path, tiny_qwen3_dir: Path
+    tmp_path: Path, tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``algorithm.offpolicy_tokens: mask``: a turn an update split keeps its older tokens in the
-    sequence (the engine conditioned on them) but without loss; the trajectory's newest carry it."""
-    cfg = config(tmp_path, tiny_qwen3_dir, "mask", overlap=True, max_inflight_groups=8).model_dump()
+    sequence (the engine conditioned on them) but without loss; the trajectory's newest carry it.
+    Each decode step waits 50 ms, so a step's groups generate (started when the step before took
+    its groups) longer than the step before trains: its update meets them in flight."""
+    decode = Scheduler._decode
+
+    def slow(self: Scheduler, batch: Any) -> None:
+        time.sleep(0.05)
+        decode(self, batch)
+
+    monkeypatch.setattr(Scheduler, "_decode", slow)
+    cfg = config(tmp_path, tiny_qwen3_dir, "mask", overlap=True, max_inflight_groups=2).model_dump()
     cfg["algorithm"]["offpolicy_tokens"] = "mask"
     cfg["sampling"]["max_tokens"] = 48
     cfg["limits"]["max_context_tokens"] = 256

@@ -7,9 +7,11 @@ URLs, passed through as given). Answer: ``meta_info.output_token_logprobs`` hold
 ``[logprob, token_id, text]`` per sampled token and ``meta_info.finish_reason`` is
 ``{"type": "stop" | "length" | "abort", ...}``; SGLang includes the matched stop token.
 
-Partial rollout: :meth:`SGLangEngine.abort_all` posts ``/abort_request`` with
-``{"abort_all": true}``; every ``/generate`` in flight then returns with finish type
-"abort" and the tokens (and logprobs) sampled so far, which ``generate`` keeps.
+Partial rollout: :meth:`SGLangEngine.abort_all` posts ``/abort_request`` with the ``rid`` of
+each of this client's requests in flight (not SGLang's ``abort_all: true``, which would end an
+eval job's or another rank's requests on a shared server too); each of those ``/generate`` calls
+then returns with finish type "abort" and the tokens (and logprobs) sampled so far, which
+``generate`` keeps.
 :meth:`SGLangEngine.update_weights` takes a checkpoint folder on the server's disk and posts
 ``/update_weights_from_disk`` (``model_path``, ``weight_version``).
 
@@ -20,6 +22,7 @@ passes them through unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -141,11 +144,17 @@ class SGLangEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._extra = dict(extra_sampling_params or {})
         self._version = 0
+        self._rids: set[str] = set()  # this client's requests in flight
 
     @property
     def weight_version(self) -> int:
         """The version of the last weight update made through this engine (0 before any)."""
         return self._version
+
+    @property
+    def in_flight(self) -> int:
+        """This client's generations in flight."""
+        return len(self._rids)
 
     @property
     def base_url(self) -> str:
@@ -166,7 +175,11 @@ class SGLangEngine:
             raise RequestError("empty prompt")
         body = generate_payload(prompt_ids, sampling, images, rid or uuid.uuid4().hex)
         body["sampling_params"] |= self._extra
-        answer = await self._client.post("/generate", body)
+        self._rids.add(body["rid"])
+        try:
+            answer = await self._client.post("/generate", body)
+        finally:
+            self._rids.discard(body["rid"])
         try:
             ids, logprobs, kind, meta = parse_generate(answer)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -183,9 +196,9 @@ class SGLangEngine:
         await self._client.post("/abort_request", {"rid": rid})
 
     async def abort_all(self) -> None:
-        """Abort every request on the server; each generate() in flight returns with
-        finish_reason "abort" and the tokens sampled so far."""
-        await self._client.post("/abort_request", {"abort_all": True})
+        """Abort this client's requests in flight, by rid (others sharing the server go on); each
+        of those generate() calls returns with finish_reason "abort" and the tokens sampled so far."""
+        await asyncio.gather(*(self.abort(rid) for rid in sorted(self._rids)))
 
     async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
         """Have the server load the checkpoint folder ``weights`` (a path on its disk).

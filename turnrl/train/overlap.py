@@ -6,7 +6,8 @@ generating or waiting at once (default: ``max_staleness`` steps' worth, so a gro
 before it grows too old), so memory stays flat however fast it runs. A step takes the next
 finished groups off the queue (fastest first), screens them as the synchronous step does
 (weight versions, failures, overlong shaping; with ``algorithm.dynamic_sampling``, groups with
-all-equal rewards are skipped and the next ones taken), trains on them in a worker thread while
+all-equal rewards are skipped and the next ones taken, up to ``max_rounds`` steps' worth of groups,
+as the synchronous step's rounds bound it), trains on them in a worker thread while
 the producer and the engine go on, and pushes the new weights into the running engine. Requests
 in flight go on under the new weights (a partial rollout across the update): every token keeps
 the version that sampled it. The embedded engine swaps weights between two decode steps; vLLM
@@ -45,11 +46,13 @@ class Feed:
     limit: int
     queue: asyncio.Queue[list[Trajectory]] = field(default_factory=asyncio.Queue)
     slots: asyncio.Semaphore = field(init=False)
+    refills: asyncio.Semaphore = field(init=False)
     rollout_idle_s: float = 0.0  # the producer waiting for a free slot, since the last step took it
     task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.limit)
+        self.refills = asyncio.Semaphore(0)  # groups the steps dropped, to roll out past the last step
 
     async def stop(self) -> None:
         """Stop producing; groups in flight are cancelled."""
@@ -59,7 +62,7 @@ class Feed:
 
 
 def start_feed(run: Run, first_step: int) -> Feed:
-    """Start producing the groups of ``first_step`` and after."""
+    """Start producing the groups of ``first_step`` up to the last step (``train.steps``)."""
     cfg = run.config
     # one step ahead per version of staleness allowed: a group started under the version a step
     # trains from is taken by a later step at most max_staleness versions on
@@ -70,6 +73,9 @@ def start_feed(run: Run, first_step: int) -> Feed:
 
 
 async def _produce(run: Run, step: int, feed: Feed) -> None:
+    """Roll out the groups of ``step`` and each later step up to the last (``train.steps``); past
+    it, one group for each group a step dropped (refused, failed, flat), so the last steps fill up
+    and nothing is rolled out that no step takes (it would only slow the last steps and the eval)."""
     cfg = run.config
     running: set[asyncio.Task[None]] = set()
     try:
@@ -80,6 +86,8 @@ async def _produce(run: Run, step: int, feed: Feed) -> None:
             sampling = dataclasses.replace(run.spec.sampling, seed=step_seed(cfg.seed, step))
             spec = dataclasses.replace(run.spec, sampling=sampling)
             for prompt in prompts:
+                if step > cfg.train.steps:
+                    await feed.refills.acquire()
                 t0 = time.perf_counter()
                 await feed.slots.acquire()
                 feed.rollout_idle_s += time.perf_counter() - t0
@@ -104,25 +112,36 @@ async def overlapped_step(run: Run, step: int, feed: Feed) -> dict[str, float]:
     cfg = run.config
     t0 = time.perf_counter()
     target = len(shard(range(cfg.train.prompts_per_step), run.ranks))  # this rank's groups per step
-    counts, waited = StepCounts(), 0.0
+    dynamic = cfg.algorithm.dynamic_sampling
+    # dynamic sampling: at most max_rounds steps' worth of groups, as the synchronous step's rounds
+    bound = target * dynamic.max_rounds if dynamic is not None else None
+    counts, waited, taken = StepCounts(), 0.0, 0
     rolled: list[Trajectory] = []
     kept: list[list[Trajectory]] = []
     seen: Counter[str] = Counter()
-    while len(kept) < target:
+    while len(kept) < target and (bound is None or taken < bound):
         t = time.perf_counter()
         group = await feed.queue.get()
         waited += time.perf_counter() - t
         feed.slots.release()
+        taken += 1
         rolled += group
         batch = screen(run, group, counts)
-        if cfg.algorithm.dynamic_sampling is not None and len({t.reward for t in batch}) < 2:
+        if dynamic is not None and len({t.reward for t in batch}) < 2:
             counts.shaped["dynamic/flat_groups"] += 1
-            continue
-        if batch:  # a prompt met twice in one batch (an epoch's end) stays two GRPO groups
+            batch = []
+        if not batch and (bound is None or taken < bound):
+            feed.refills.release()  # another group takes its place
+        elif batch:  # a prompt met twice in one batch (an epoch's end) stays two GRPO groups
             seen[batch[0].group_id] += 1
             if seen[batch[0].group_id] > 1:
                 batch = [dataclasses.replace(t, group_id=f"{t.group_id}#{step}") for t in batch]
             kept.append(batch)
+    if dynamic is not None:
+        counts.rounds = -(-taken // target)
+        counts.shaped["dynamic/flat_groups"] += 0  # reported when none was flat too
+        counts.shaped["dynamic/kept_groups"] += len(kept)
+        counts.shaped["dynamic/short_groups"] += target - len(kept)
     trajs = [t for batch in kept for t in batch]
     _write(rollouts_path(run, step), rolled)
     metrics = staleness(trajs, int(getattr(run.engine, "weight_version", 0)))
