@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 from slime_server import Sample, SGLangServer
 from slime_server import slime_sampling as sampling_params
@@ -283,13 +284,12 @@ async def test_an_abort_from_slime_gives_aborted_then_a_fresh_run(
     server.received.clear()
     task = asyncio.create_task(generate(args, sample, slime_sampling(4000, stop=None)))
     assert await asyncio.to_thread(server.received.wait, 30)
-    router = SGLangEngine(f"http://127.0.0.1:{server.port}")
-    for _ in range(100):  # slime aborts every server (abort_all) before it updates weights
-        await asyncio.sleep(0.2)
-        await router.abort_all()
-        if task.done():
-            break
-    await router.close()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as router:
+        for _ in range(100):  # slime aborts every request on its servers before it updates weights
+            await asyncio.sleep(0.2)
+            (await router.post("/abort_request", json={"abort_all": True})).raise_for_status()
+            if task.done():
+                break
     await task
     assert sample.status == Sample.Status.ABORTED and sample.metadata["turnrl"]["stop_reason"] == "aborted"
     assert sample.response_length > 0 and set(sample.loss_mask) == {1}  # the tokens sampled before the abort
