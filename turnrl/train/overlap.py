@@ -130,13 +130,13 @@ async def overlapped_step(run: Run, step: int, feed: Feed) -> dict[str, float]:
         if dynamic is not None and len({t.reward for t in batch}) < 2:
             counts.shaped["dynamic/flat_groups"] += 1
             batch = []
-        if not batch and (bound is None or taken < bound):
-            feed.refills.release()  # another group takes its place
-        elif batch:  # a prompt met twice in one batch (an epoch's end) stays two GRPO groups
+        if batch:  # a prompt met twice in one batch (an epoch's end) stays two GRPO groups
             seen[batch[0].group_id] += 1
             if seen[batch[0].group_id] > 1:
                 batch = [dataclasses.replace(t, group_id=f"{t.group_id}#{step}") for t in batch]
             kept.append(batch)
+        elif bound is None or taken < bound:
+            feed.refills.release()  # another group takes its place
     if dynamic is not None:
         counts.rounds = -(-taken // target)
         counts.shaped["dynamic/flat_groups"] += 0  # reported when none was flat too
