@@ -2,7 +2,8 @@
 
 The batch: ``--rows`` sequences of a ``--prompt``-token prompt and a completion of varied length
 (from a quarter of ``--completion`` to all of it), random token ids, one advantage per row
-(a group-normalized reward), every completion token trained on. Each side does the same work:
+(a group-normalized reward), every completion token trained on. ``--group N``: the rows come in
+GRPO groups of N that share their prompt (default 1: every row its own prompt). Each side does the same work:
 a forward and backward pass over every row in micro-batches, then one AdamW step. ``--bf16``
 runs both under bfloat16 autocast (turnrl: the body; its vocabulary projection stays float32).
 
@@ -11,7 +12,9 @@ runs both under bfloat16 autocast (turnrl: the body; its vocabulary projection s
   that many tokens, no padding, as ``train.pack: true`` does), the body's hidden states projected
   through the vocabulary only at trained positions, in chunks (``token_logprobs``), the
   ``ppo`` (clipped) token-mean loss; the first ``--keep-mib`` MiB of each micro-batch's
-  probabilities kept for the backward pass (``train.logprob_keep_mib``), the rest recomputed.
+  probabilities kept for the backward pass (``train.logprob_keep_mib``), the rest recomputed;
+  rows that share at least ``--share-min`` prompt tokens go in micro-batches of their own and run
+  that prefix once (``train.share_prefix_tokens``; only with ``--group`` above 1).
 - ``trl``: ``GRPOTrainer.compute_loss`` (TRL's own logprobs, its default loss, entropy as it
   computes it) on micro-batches of ``--trl-rows`` rows in the given order, left-padded prompts
   and right-padded completions as TRL lays them out.
@@ -24,7 +27,7 @@ then ``--steps`` timed steps; trained tokens per second of the median step and t
 RSS above what it held after loading the model. Sides alternate, ``--repeats`` times.
 
     .venv/bin/python bench/trainer_speed.py [--model smollm2-135m] [--rows 16] [--prompt 128]
-        [--completion 384] [--steps 3] [--repeats 2] [--bf16] [--keep-mib 512]
+        [--completion 384] [--group 1] [--share-min 32] [--steps 3] [--repeats 2] [--bf16] [--keep-mib 512]
         [--sides turnrl,turnrl-packed,trl]
 """
 
@@ -65,9 +68,10 @@ def batch(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[l
     """(prompts, completions, advantages), the same for every side (seeded)."""
     g = torch.Generator().manual_seed(0)
     prompts, completions = [], []
-    for _ in range(args.rows):
+    for row in range(args.rows):
         length = int(torch.randint(args.completion // 4, args.completion + 1, (), generator=g))
-        prompts.append(torch.randint(100, vocab, (args.prompt,), generator=g).tolist())
+        fresh = torch.randint(100, vocab, (args.prompt,), generator=g).tolist()
+        prompts.append(fresh if row % args.group == 0 else prompts[-1])  # a group shares its first's
         completions.append(torch.randint(100, vocab, (length,), generator=g).tolist())
     rewards = torch.rand(args.rows, generator=g)
     advantages = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist()
@@ -92,7 +96,7 @@ def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argpars
     ]
     tokens = sum(len(c) for c in completions)
     optimizer.zero_grad(set_to_none=True)
-    for b in batches_of(samples, args.micro_tokens, 0, args.pack):
+    for b in batches_of(samples, args.micro_tokens, 0, args.pack, args.share_min):
         logprobs = token_logprobs(
             model,
             b.input_ids_B_T,
@@ -101,6 +105,7 @@ def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argpars
             autocast=args.autocast,
             position_ids_B_T=b.position_ids_B_T,
             keep_mib=args.keep_mib,
+            shared_prefix=b.shared_prefix,
         )
         old = logprobs.detach()
         inputs = LossInputs(logprobs, old, old, b.advantages_B_T, b.loss_mask_B_T)
@@ -227,6 +232,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--completion", type=int, default=384)
     parser.add_argument("--micro-tokens", type=int, default=4096)
+    parser.add_argument("--group", type=int, default=1, help="rows per GRPO group (sharing a prompt)")
+    parser.add_argument(
+        "--share-min", type=int, default=32, help="turnrl's train.share_prefix_tokens (0: every row its own)"
+    )
     parser.add_argument("--trl-rows", type=int, default=4)
     parser.add_argument(
         "--keep-mib", type=float, default=512.0, help="turnrl's train.logprob_keep_mib (0: recompute)"
@@ -272,7 +281,10 @@ def main() -> None:
             )
     rates = {s: statistics.median(r["tokens"] / r["seconds"] for r in rs) for s, rs in results.items()}
     extra = {s: statistics.median(r["peak"] - r["loaded"] for r in rs) for s, rs in results.items()}
-    print(f"{args.model}: {args.rows} rows x ({args.prompt} prompt + <= {args.completion} completion) tokens")
+    print(
+        f"{args.model}: {args.rows} rows x ({args.prompt} prompt + <= {args.completion} completion) tokens, "
+        f"groups of {args.group}"
+    )
     for side in results:
         print(f"  {side:<13} {rates[side]:7.1f} tok/s, {extra[side]:.0f} MiB above the loaded model")
     for mine in ("turnrl", "turnrl-packed"):

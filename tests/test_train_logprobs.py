@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +237,97 @@ def test_kept_probabilities_skip_the_recomputation_and_give_the_same_values_and_
     for name in expected:
         torch.testing.assert_close(first[name], expected[name], atol=1e-12, rtol=1e-10, msg=name)
         torch.testing.assert_close(second[name], expected[name], atol=1e-12, rtol=1e-10, msg=name)
+
+
+def group_samples(prompt: int, rests: list[int], vocab: int, seed: int = 2) -> list[Any]:
+    """One random prompt of ``prompt`` tokens, then a random rest of each length (trained on)."""
+    from turnrl.train.batch import TrainSample
+
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, vocab, (prompt,), generator=gen).tolist()
+    out = []
+    for n in rests:
+        ids = head + torch.randint(0, vocab, (n,), generator=gen).tolist()
+        mask = [0] * prompt + [1] * n
+        out.append(TrainSample(ids, mask, [0.0] * len(ids), [float(m) for m in mask]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "value_tol", "grad_tol"),
+    [
+        ("tiny-qwen3", torch.float64, 1e-12, 1e-6),
+        ("tiny-qwen3", torch.float32, 1e-4, 1e-4),
+        ("smollm2", torch.float32, 1e-4, 1e-4),
+    ],
+)
+def test_a_shared_prefix_runs_once_and_gives_the_whole_rows_logprobs_and_gradients(
+    name: str,
+    dtype: torch.dtype,
+    value_tol: float,
+    grad_tol: float,
+    tiny_qwen3_dir: Path,
+    smollm2: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows that begin with the same prompt (a GRPO group) run it through the body once: the body
+    sees 1 x 11 prompt tokens, then 4 rows of their rest; logprobs and every gradient equal the
+    padded rows' (Qwen3 and Llama). In float64 the values agree to rounding; gradients to float32's
+    (Qwen3's RMSNorm computes in float32, and its backward now sums the rows' gradients first)."""
+    from turnrl.train.batch import collate
+
+    model = load_model(str(tiny_qwen3_dir), dtype=dtype) if name == "tiny-qwen3" else smollm2
+    samples = group_samples(11, [6, 9, 4, 7], model.config.vocab_size)
+    samples[2].loss_mask[5] = 1  # a loss token inside the shared prefix is fine too
+    plain = collate(samples, 0)
+    shapes: list[tuple[int, ...]] = []
+    body = model.get_decoder()
+    original = type(body).forward
+
+    @functools.wraps(original)
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(body), "forward", spy)
+    out = {}
+    for shared in (0, 11):
+        logp = token_logprobs(
+            model,
+            plain.input_ids_B_T,
+            plain.attention_mask_B_T,
+            plain.loss_mask_B_T > 0,
+            shared_prefix=shared,
+        )
+        (-(logp * plain.loss_mask_B_T).sum()).backward()
+        out[shared] = (logp[plain.loss_mask_B_T > 0], grads(model))
+    assert shapes == [(4, 20), (1, 11), (4, 9)]
+    assert torch.allclose(out[11][0], out[0][0], atol=value_tol)
+    for key, grad in out[0][1].items():
+        assert torch.allclose(out[11][1][key], grad, atol=grad_tol, rtol=1e-3), key
+
+
+def test_micro_batches_share_the_prefix_of_a_group_and_count_it_once() -> None:
+    """Samples go in clusters by common prefix (two groups' prompts, a sample alone); each cluster's
+    micro-batches fit the budget counting the prefix once and are marked with what their rows
+    share; samples with images, and a lone sample, go in plain padded rows."""
+    from dataclasses import replace
+
+    from turnrl.train.batch import batches_of, common_prefix, prefix_clusters
+
+    a = group_samples(40, [10, 20, 5], 1000, seed=3)
+    b = group_samples(30, [8, 8], 1000, seed=4)
+    lone = group_samples(50, [3], 1000, seed=5)
+    image = replace(group_samples(40, [4], 1000, seed=3)[0], multimodal={"pixel_values": torch.zeros(1)})
+    assert common_prefix(a[0].input_ids, a[1].input_ids) == 40 and common_prefix([1, 2], [1, 2, 3]) == 2
+    clusters = prefix_clusters(a + b + lone, 24)
+    assert sorted((len(c), shared) for c, shared in clusters) == [(1, 0), (2, 30), (3, 40)]
+    # a: 40 + 3 x 20 = 100 fits; a budget of 90 splits it: 40 + 2 x 20 = 80, then the 5-token one alone
+    out = batches_of(a + b + lone + [image], 100, 0, packed=False, share_min=24)
+    assert sorted((tuple(x.input_ids_B_T.shape), x.shared_prefix) for x in out) == [
+        ((1, 44), 0), ((1, 53), 0), ((2, 38), 30), ((3, 60), 40),
+    ]  # fmt: skip
+    split = batches_of(a, 90, 0, packed=False, share_min=24)
+    assert [(tuple(x.input_ids_B_T.shape), x.shared_prefix) for x in split] == [((2, 60), 40), ((1, 45), 0)]
+    assert all(x.shared_prefix == 0 for x in batches_of(a + b, 100, 0, packed=False))  # share_min 0: off
+    assert all(x.shared_prefix == 0 for x in batches_of(a + b, 100, 0, packed=False, share_min=41))

@@ -96,15 +96,21 @@ async def test_bfloat16_precision_trains_float32_weights_with_bfloat16_products(
     assert metrics["is/ratio_max"] - metrics["is/ratio_min"] > 1e-3  # bfloat16 did run
 
 
-async def test_a_packed_step_equals_a_padded_one(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
-    """``train.pack: true`` (samples end to end, no padding) and ``false`` (padded rows) give the
-    same step from the same seed: the same rollouts, loss and gradient norm, and the same update
-    (AdamW divides by the gradients' own size, so float rounding shows on near-zero ones: the
-    updates agree to 1% of their norm)."""
+@pytest.mark.parametrize(
+    ("setting", "plain", "other"), [("pack", False, True), ("share_prefix_tokens", 0, 4)]
+)
+async def test_a_packed_or_prefix_sharing_step_equals_a_padded_one(
+    setting: str, plain: Any, other: Any, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """``train.pack: true`` (samples end to end, no padding) and ``train.share_prefix_tokens`` (a
+    group's rows run their common prompt once) give the same step as plain padded rows from the
+    same seed: the same rollouts, loss and gradient norm, and the same update (AdamW divides by
+    the gradients' own size, so float rounding shows on near-zero ones: the updates agree to 1% of
+    their norm)."""
     results = []
-    for pack in (False, True):
-        cfg = config(tmp_path / str(pack), tiny_qwen3_dir, pack=pack, micro_batch_tokens=64)
-        run = build_run(cfg, overwrite=False, resume=False, console=QUIET)
+    for value in (plain, other):
+        train = {"share_prefix_tokens": 0, "micro_batch_tokens": 64, setting: value}
+        run = build_run(config(tmp_path / str(value), tiny_qwen3_dir, **train), False, False, console=QUIET)
         before = {k: v.clone() for k, v in run.policy.state_dict().items()}
         try:
             metrics = await train_step(run, 1)
@@ -112,11 +118,13 @@ async def test_a_packed_step_equals_a_padded_one(tmp_path: Path, tiny_qwen3_dir:
             await run.engine.close()
         update = torch.cat([(v - before[k]).flatten() for k, v in run.policy.state_dict().items()])
         results.append((metrics, update))
-    (padded, padded_update), (packed, packed_update) = results
-    assert packed["train/tokens"] == padded["train/tokens"] > 0 and padded["train/samples"] >= 2
-    assert packed["loss/value"] == pytest.approx(padded["loss/value"], abs=1e-5)
-    assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-4)
-    assert float((packed_update - padded_update).norm()) < 0.01 * float(padded_update.norm())
+    (padded, padded_update), (changed, changed_update) = results
+    assert changed["train/tokens"] == padded["train/tokens"] > 0 and padded["train/samples"] >= 2
+    assert padded["train/prefix_tokens_shared"] == 0
+    assert (changed["train/prefix_tokens_shared"] > 0) == (setting == "share_prefix_tokens")
+    assert changed["loss/value"] == pytest.approx(padded["loss/value"], abs=1e-5)
+    assert changed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-4)
+    assert float((changed_update - padded_update).norm()) < 0.01 * float(padded_update.norm())
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:

@@ -197,6 +197,7 @@ class Batch:
     multimodal: dict[str, torch.Tensor] = field(default_factory=dict)  # every row's images, row order
     # packed: one row of several samples end to end, each numbered from 0 (None: padded rows)
     position_ids_B_T: torch.Tensor | None = None
+    shared_prefix: int = 0  # leading tokens every row holds alike, run through the model once (0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -206,7 +207,7 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         """The same batch on ``device``."""
         moved: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
-        tensors = {k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)}
+        tensors: dict[str, Any] = {k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)}
         return replace(self, **tensors, multimodal={k: v.to(device) for k, v in self.multimodal.items()})
 
 
@@ -257,23 +258,48 @@ def pack(samples: Sequence[TrainSample]) -> Batch:
 
 
 def micro_batches(
-    samples: Sequence[TrainSample], max_tokens: int, packed: bool = False
+    samples: Sequence[TrainSample], max_tokens: int, packed: bool = False, shared: int = 0
 ) -> list[list[TrainSample]]:
     """Split samples, longest first, into groups that fit ``max_tokens``: their padded size (rows x
-    longest), or their total length when ``packed``. A sample longer than ``max_tokens`` gets a
-    group of its own."""
+    longest), or their total length when ``packed``; samples that begin with the same ``shared``
+    tokens count them once. A sample longer than ``max_tokens`` gets a group of its own."""
     ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
     out: list[list[TrainSample]] = []
     for sample in ordered:
         group = out[-1] if out else []
         if packed:  # total length
             size = sum(len(s.input_ids) for s in group) + len(sample.input_ids)
-        else:  # rows x the longest, which is the group's first (longest first)
-            size = len(group[0].input_ids) * (len(group) + 1) if group else 0
+        else:  # the prefix once, then rows x the longest's rest (the longest is the group's first)
+            size = shared + (len(group[0].input_ids) - shared) * (len(group) + 1) if group else 0
         if group and size <= max_tokens:
             group.append(sample)
         else:
             out.append([sample])
+    return out
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` hold alike."""
+    n = min(len(a), len(b))
+    differ = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
+    return int(differ[0, 0]) if len(differ) else n
+
+
+def prefix_clusters(samples: Sequence[TrainSample], min_tokens: int) -> list[tuple[list[TrainSample], int]]:
+    """The samples in clusters that begin with the same at least ``min_tokens`` tokens (a GRPO
+    group's prompt; in ``turn`` mode also a trajectory's earlier turns), each with the number of
+    tokens its members share; a sample that shares too little with any other is a cluster of one
+    (sharing 0). In token order, so samples that share most are neighbours."""
+    out: list[tuple[list[TrainSample], int]] = []
+    for sample in sorted(samples, key=lambda s: s.input_ids):
+        if out:
+            cluster = out[-1][0]
+            common = common_prefix(cluster[0].input_ids, sample.input_ids)  # falls as the order moves on
+            if common >= min_tokens:
+                cluster.append(sample)
+                out[-1] = (cluster, common)
+                continue
+        out.append(([sample], 0))
     return out
 
 
@@ -291,12 +317,35 @@ def packs(setting: bool | str, model: Any) -> bool:
     return implementation.startswith(VARLEN_ATTENTION)
 
 
-def batches_of(samples: Sequence[TrainSample], max_tokens: int, pad_id: int, packed: bool) -> list[Batch]:
+def batches_of(
+    samples: Sequence[TrainSample], max_tokens: int, pad_id: int, packed: bool, share_min: int = 0
+) -> list[Batch]:
     """The micro-batches of ``samples``: packed rows when ``packed`` (samples with images are
-    always padded rows), else right-padded ones."""
+    always padded rows), else right-padded ones. With ``share_min``, padded rows that begin with
+    the same at least that many tokens go in micro-batches of their own (``shared_prefix``: the
+    model runs the prefix once for all of them)."""
     if packed and not any(s.multimodal for s in samples):
         return [pack(part) for part in micro_batches(samples, max_tokens, packed=True)]
-    return [collate(part, pad_id) for part in micro_batches(samples, max_tokens)]
+    lone: list[TrainSample] = [s for s in samples if s.multimodal or not share_min]
+    out: list[Batch] = []
+    for cluster, shared in prefix_clusters([s for s in samples if share_min and not s.multimodal], share_min):
+        if len(cluster) == 1:
+            lone += cluster
+            continue
+        for part in micro_batches(cluster, max_tokens, shared=shared):
+            out.append(_shared_collate(part, pad_id, share_min))
+    return out + [collate(part, pad_id) for part in micro_batches(lone, max_tokens)]
+
+
+def _shared_collate(samples: list[TrainSample], pad_id: int, share_min: int) -> Batch:
+    """Padded rows marked with the prefix they all share (at least one token of each row left to
+    run after it), if that is at least ``share_min`` tokens and there are two rows or more."""
+    first = samples[0].input_ids
+    shared = min(len(s.input_ids) - 1 for s in samples)
+    for s in samples[1:]:
+        shared = min(shared, common_prefix(first, s.input_ids))
+    batch = collate(samples, pad_id)
+    return replace(batch, shared_prefix=shared) if len(samples) > 1 and shared >= share_min else batch
 
 
 def step_prompts(samples: list[Sample], per_step: int, step: int, seed: int) -> list[Sample]:

@@ -142,6 +142,9 @@ class TrainLoopConfig(_Strict):
     # samples end to end in one row, no padding (text models; images always go in padded rows);
     # auto: where the attention kernel takes variable lengths (flash attention), else padded rows
     pack: bool | Literal["auto"] = "auto"
+    # padded rows that begin with the same at least this many tokens (a GRPO group's prompt) share a
+    # micro-batch, and the model runs that prefix once for all of them (0: every row runs its own)
+    share_prefix_tokens: int = Field(32, ge=0)
     logprob_chunk: int = Field(256, ge=1)  # positions projected through lm_head at a time
     # MiB of a micro-batch's vocabulary probabilities kept from the forward pass, so the backward
     # does not recompute them (0: recompute every chunk; the bound is then one chunk)

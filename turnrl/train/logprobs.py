@@ -15,6 +15,7 @@ the vocabulary projection's three, and an exponential, per kept chunk). The boun
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,7 @@ def token_logprobs(
     autocast: torch.dtype | None = None,
     position_ids_B_T: torch.Tensor | None = None,
     keep_mib: float = 0.0,
+    shared_prefix: int = 0,
 ) -> torch.Tensor:
     """``logprobs_B_T[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``.
 
@@ -124,6 +126,8 @@ def token_logprobs(
     the attention mask is then left out, and the model keeps each sequence to itself.
     ``keep_mib``: MiB of the chunks' probabilities kept for the backward pass instead of recomputed
     (chunks that fit, from the first; 0: every chunk recomputes, one chunk's buffer at a time).
+    ``shared_prefix``: every row begins with these same tokens (a GRPO group's prompt); the body
+    runs them once, then every row's rest on their keys and values (see ``_shared_hidden_states``).
     """
     _check_plain_head(model)
     batch, length = input_ids_B_T.shape
@@ -135,7 +139,12 @@ def token_logprobs(
     want_B_S = want_B_T[:, 1:]  # S = T - 1: the hidden state at s predicts the token at s + 1
     device = input_ids_B_T.device.type
     with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        hidden_B_T_H = _hidden_states(model, input_ids_B_T, attention_mask_B_T, multimodal, position_ids_B_T)
+        if shared_prefix and not multimodal and position_ids_B_T is None:
+            hidden_B_T_H = _shared_hidden_states(model, input_ids_B_T, attention_mask_B_T, shared_prefix)
+        else:
+            hidden_B_T_H = _hidden_states(
+                model, input_ids_B_T, attention_mask_B_T, multimodal, position_ids_B_T
+            )
     hidden_N_H = hidden_B_T_H[:, :-1][want_B_S]
     targets_N = input_ids_B_T[:, 1:][want_B_S]
     head = model.get_output_embeddings()
@@ -215,6 +224,35 @@ def _hidden_states(
         use_cache=False,
     )
     return out.last_hidden_state
+
+
+def _shared_hidden_states(
+    model: Any, input_ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | None, shared: int
+) -> torch.Tensor:
+    """The last hidden states of rows that all begin with the same ``shared`` tokens: the body runs
+    the prefix once (one row), its keys and values are repeated for every row, and the rows' rest
+    runs on them, right after it (positions go on from ``shared``). The gradient of every row
+    flows back into the one prefix, so values and gradients are those of the whole rows, at the
+    cost of the prefix once instead of once per row."""
+    from transformers import DynamicCache
+
+    if not 0 < shared < input_ids_B_T.shape[1]:
+        raise ValueError(
+            f"a shared prefix of {shared} tokens leaves nothing of {input_ids_B_T.shape[1]}-token rows"
+        )
+    body: Any = model.get_decoder()
+    cache = DynamicCache(config=body.config)
+    name = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+    prefix = body(input_ids=input_ids_B_T[:1, :shared], use_cache=True, **{name: cache}).last_hidden_state
+    rows = input_ids_B_T.shape[0]
+    cache.batch_repeat_interleave(rows)
+    rest = body(
+        input_ids=input_ids_B_T[:, shared:],
+        attention_mask=attention_mask_B_T,
+        use_cache=True,
+        **{name: cache},
+    ).last_hidden_state
+    return torch.cat([prefix.expand(rows, -1, -1), rest], 1)
 
 
 def naive_token_logprobs(

@@ -224,6 +224,7 @@ def _logprobs(run: Run, model: Any, batch: Batch) -> torch.Tensor:
         multimodal=batch.multimodal,
         autocast=torch.bfloat16 if config.train.precision == "bfloat16" else None,
         position_ids_B_T=batch.position_ids_B_T,
+        shared_prefix=batch.shared_prefix,
     )
 
 
@@ -343,10 +344,13 @@ async def learn(
     tokens, trained = int(everyone[0]), int(everyone[1])
     metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
     if trained:
+        share = cfg.train.share_prefix_tokens if run.sharded is None else 0  # FSDP: one forward per step
         parts = batches_of(
-            samples, cfg.train.micro_batch_tokens, _pad_id(run), packs(cfg.train.pack, run.policy)
+            samples, cfg.train.micro_batch_tokens, _pad_id(run), packs(cfg.train.pack, run.policy), share
         )
         batches = [part.to(run.policy.device) for part in parts]
+        shared = sum(b.shared_prefix * (len(b.input_ids_B_T) - 1) for b in parts)  # tokens not run again
+        metrics["train/prefix_tokens_shared"] = shared
         metrics |= await asyncio.to_thread(_update, run, batches, tokens)
     if run.ranks.distributed and run.sharded is None:  # under FSDP each weight lives on one rank
         metrics["dist/param_spread"] = param_spread(run.policy, run.ranks)
