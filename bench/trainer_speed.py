@@ -15,6 +15,7 @@ runs both under bfloat16 autocast (turnrl: the body; its vocabulary projection s
   probabilities kept for the backward pass (``train.logprob_keep_mib``), the rest recomputed;
   rows that share at least ``--share-min`` prompt tokens go in micro-batches of their own and run
   that prefix once (``train.share_prefix_tokens``; only with ``--group`` above 1).
+- ``turnrl-unshared``: ``turnrl`` with every row running its own prompt (``--share-min 0``).
 - ``trl``: ``GRPOTrainer.compute_loss`` (TRL's own logprobs, its default loss, entropy as it
   computes it) on micro-batches of ``--trl-rows`` rows in the given order, left-padded prompts
   and right-padded completions as TRL lays them out.
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-SIDES = ("turnrl", "turnrl-packed", "trl")
+SIDES = ("turnrl", "turnrl-packed", "turnrl-unshared", "trl")
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # bench/vllm.py is not vLLM (TRL looks)
 
 
@@ -96,7 +97,8 @@ def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argpars
     ]
     tokens = sum(len(c) for c in completions)
     optimizer.zero_grad(set_to_none=True)
-    for b in batches_of(samples, args.micro_tokens, 0, args.pack, args.share_min):
+    share = 0 if args.side == "turnrl-unshared" else args.share_min
+    for b in batches_of(samples, args.micro_tokens, 0, args.pack, share):
         logprobs = token_logprobs(
             model,
             b.input_ids_B_T,
@@ -244,7 +246,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="both sides under bfloat16 autocast")
     parser.add_argument(
-        "--sides", default="turnrl,trl", help="which to run, of turnrl, turnrl-packed (train.pack: true), trl"
+        "--sides",
+        default="turnrl,trl",
+        help="of turnrl, turnrl-packed (train.pack: true), turnrl-unshared (--share-min 0), trl",
     )
     parser.add_argument(
         "--head", action="store_true", help="time the vocabulary projection alone, kept against recomputed"
@@ -287,11 +291,13 @@ def main() -> None:
     )
     for side in results:
         print(f"  {side:<13} {rates[side]:7.1f} tok/s, {extra[side]:.0f} MiB above the loaded model")
-    for mine in ("turnrl", "turnrl-packed"):
+    for mine in ("turnrl", "turnrl-packed", "turnrl-unshared"):
         if mine in rates and "trl" in rates:
             print(f"{mine} / TRL tokens/s: {rates[mine] / rates['trl']:.2f}")
     if "turnrl" in rates and "turnrl-packed" in rates:
         print(f"packed / padded tokens/s: {rates['turnrl-packed'] / rates['turnrl']:.2f}")
+    if "turnrl" in rates and "turnrl-unshared" in rates:
+        print(f"shared / unshared prefixes tokens/s: {rates['turnrl'] / rates['turnrl-unshared']:.2f}")
 
 
 if __name__ == "__main__":

@@ -344,7 +344,8 @@ async def learn(
     tokens, trained = int(everyone[0]), int(everyone[1])
     metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
     if trained:
-        share = cfg.train.share_prefix_tokens if run.sharded is None else 0  # FSDP: one forward per step
+        # FSDP: every rank runs each sharded layer as often as the others; a shared micro-batch runs it twice
+        share = cfg.train.share_prefix_tokens if run.sharded is None else 0
         parts = batches_of(
             samples, cfg.train.micro_batch_tokens, _pad_id(run), packs(cfg.train.pack, run.policy), share
         )
