@@ -331,3 +331,17 @@ def test_micro_batches_share_the_prefix_of_a_group_and_count_it_once() -> None:
     assert [(tuple(x.input_ids_B_T.shape), x.shared_prefix) for x in split] == [((2, 60), 40), ((1, 45), 0)]
     assert all(x.shared_prefix == 0 for x in batches_of(a + b, 100, 0, packed=False))  # share_min 0: off
     assert all(x.shared_prefix == 0 for x in batches_of(a + b, 100, 0, packed=False, share_min=41))
+
+
+def test_prefixes_are_shared_only_where_every_layer_caches_plain_keys_and_values(model: Any) -> None:
+    """Qwen3 and Llama (full attention) share prefixes; a body with linear-attention layers (Qwen3-Next:
+    three of every four layers keep a recurrent state, not keys and values) does not."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3NextConfig
+
+    from turnrl.train.logprobs import shares_prefixes
+
+    assert shares_prefixes(model)
+    hybrid = SimpleNamespace(get_decoder=lambda: SimpleNamespace(config=Qwen3NextConfig(num_hidden_layers=4)))
+    assert not shares_prefixes(hybrid)

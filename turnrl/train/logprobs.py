@@ -226,6 +226,17 @@ def _hidden_states(
     return out.last_hidden_state
 
 
+def shares_prefixes(model: Any) -> bool:
+    """Whether ``model``'s body can run a shared prefix once (``_shared_hidden_states``): its cache
+    holds plain keys and values in every layer (full or sliding-window attention). Linear-attention
+    and indexer layers keep other state, so their rows each run their own prefix."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=model.get_decoder().config)
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+
+
 def _shared_hidden_states(
     model: Any, input_ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | None, shared: int
 ) -> torch.Tensor:

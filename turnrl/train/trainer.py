@@ -78,7 +78,7 @@ from turnrl.train.fsdp import (
     pad_batches,
     shard_policy,
 )
-from turnrl.train.logprobs import token_logprobs
+from turnrl.train.logprobs import shares_prefixes, token_logprobs
 from turnrl.train.lora import full_weights, is_lora, merged_state, saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
 from turnrl.train.metrics import rollout_metrics
@@ -345,7 +345,8 @@ async def learn(
     metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
     if trained:
         # FSDP: every rank runs each sharded layer as often as the others; a shared micro-batch runs it twice
-        share = cfg.train.share_prefix_tokens if run.sharded is None else 0
+        sharing = run.sharded is None and shares_prefixes(run.policy)
+        share = cfg.train.share_prefix_tokens if sharing else 0
         parts = batches_of(
             samples, cfg.train.micro_batch_tokens, _pad_id(run), packs(cfg.train.pack, run.policy), share
         )
