@@ -326,9 +326,11 @@ def batches_of(
     model runs the prefix once for all of them)."""
     if packed and not any(s.multimodal for s in samples):
         return [pack(part) for part in micro_batches(samples, max_tokens, packed=True)]
-    lone: list[TrainSample] = [s for s in samples if s.multimodal or not share_min]
+    if not share_min:
+        return [collate(part, pad_id) for part in micro_batches(samples, max_tokens)]
+    lone = [s for s in samples if s.multimodal]  # images: their own rows
     out: list[Batch] = []
-    for cluster, shared in prefix_clusters([s for s in samples if share_min and not s.multimodal], share_min):
+    for cluster, shared in prefix_clusters([s for s in samples if not s.multimodal], share_min):
         if len(cluster) == 1:
             lone += cluster
             continue
