@@ -3,9 +3,10 @@
 The batch: ``--rows`` sequences of a ``--prompt``-token prompt and a completion of varied length
 (from a quarter of ``--completion`` to all of it), random token ids, one advantage per row
 (a group-normalized reward), every completion token trained on. ``--group N``: the rows come in
-GRPO groups of N that share their prompt (default 1: every row its own prompt). Each side does the same work:
-a forward and backward pass over every row in micro-batches, then one AdamW step. ``--bf16``
-runs both under bfloat16 autocast (turnrl: the body; its vocabulary projection stays float32).
+GRPO groups of N that share their prompt (default 1: every row its own prompt). Each side does
+the same work: a forward and backward pass over every row in micro-batches, then one AdamW step.
+``--bf16`` runs both under bfloat16 autocast (turnrl: the body; its vocabulary projection stays
+float32).
 
 - ``turnrl``: the trainer's path: rows sorted by length into micro-batches of at most
   ``--micro-tokens`` padded tokens (``micro_batches``; ``turnrl-packed``: packed rows of at most
@@ -28,8 +29,8 @@ then ``--steps`` timed steps; trained tokens per second of the median step and t
 RSS above what it held after loading the model. Sides alternate, ``--repeats`` times.
 
     .venv/bin/python bench/trainer_speed.py [--model smollm2-135m] [--rows 16] [--prompt 128]
-        [--completion 384] [--group 1] [--share-min 32] [--steps 3] [--repeats 2] [--bf16] [--keep-mib 512]
-        [--sides turnrl,turnrl-packed,trl]
+        [--completion 384] [--group 1] [--share-min 32] [--steps 3] [--repeats 2] [--bf16]
+        [--keep-mib 512] [--sides turnrl,turnrl-packed,turnrl-unshared,trl]
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ the vocabulary projection's three, and an exponential, per kept chunk). The boun
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -237,6 +238,13 @@ def shares_prefixes(model: Any) -> bool:
     return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
 
 
+@functools.cache
+def _cache_argument(body_type: Any) -> str:
+    """The keyword a transformers body's ``forward`` takes its cache by: ``cache`` in newer
+    releases, ``past_key_values`` before (read once per model class)."""
+    return "cache" if "cache" in inspect.signature(body_type.forward).parameters else "past_key_values"
+
+
 def _shared_hidden_states(
     model: Any, input_ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | None, shared: int
 ) -> torch.Tensor:
@@ -253,7 +261,7 @@ def _shared_hidden_states(
         )
     body: Any = model.get_decoder()
     cache = DynamicCache(config=body.config)
-    name = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+    name = _cache_argument(body.__class__)
     prefix = body(input_ids=input_ids_B_T[:1, :shared], use_cache=True, **{name: cache}).last_hidden_state
     rows = input_ids_B_T.shape[0]
     cache.batch_repeat_interleave(rows)
