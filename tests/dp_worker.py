@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from turnrl.models import load_model
-from turnrl.train.batch import TrainSample, collate, micro_batches
+from turnrl.train.batch import TrainSample, batches_of, collate, micro_batches
 from turnrl.train.config import LoraSettings, TrainConfig
 from turnrl.train.data_parallel import close_ranks, init_ranks, shard
 from turnrl.train.fsdp import full_state_dict, shard_policy
@@ -39,9 +39,31 @@ def fixed_samples(count: int) -> list[TrainSample]:
     return out
 
 
+def grouped_samples() -> list[TrainSample]:
+    """Twelve samples, in GRPO groups of two that begin with the same 10-token prompt: of two
+    ranks (every other sample), rank 0 gets three groups, rank 1 one group and four lone samples."""
+    rng = random.Random(11)
+
+    def sample(prompt: list[int]) -> TrainSample:
+        context = prompt + [rng.randrange(1000, 20000) for _ in range(rng.randint(0, 3))]
+        trained = rng.randint(2, 5)
+        return TrainSample(
+            input_ids=context + [rng.randrange(1000, 20000) for _ in range(trained)],
+            loss_mask=[0] * len(context) + [1] * trained,
+            rollout_logprobs=[0.0] * len(context) + [-rng.uniform(5, 12) for _ in range(trained)],
+            advantages=[0.0] * len(context) + [rng.choice([-1.0, 0.5, 1.5])] * trained,
+        )
+
+    prompts = [[rng.randrange(1000, 20000) for _ in range(10)] for _ in range(8)]
+    first = [sample(prompts[i // 2]) for i in range(6)]
+    second = [sample(prompts[3]) for _ in range(2)] + [sample(prompt) for prompt in prompts[4:]]
+    return [s for pair in zip(first, second, strict=True) for s in pair]
+
+
 def main(model_dir: str, out: str, mode: str = "replicated") -> None:
     """``mode``: replicated (every rank the whole policy), fsdp (sharded across the ranks), lora
-    (LoRA adapters on the whole policy) or fsdp-lora (LoRA adapters, the policy sharded)."""
+    (LoRA adapters on the whole policy) or fsdp-lora (LoRA adapters, the policy sharded); grouped
+    (replicated, on ``grouped_samples``) or fsdp-shared (sharded, on them, prefixes shared)."""
     ranks, _ = init_ranks("cpu")
     torch.manual_seed(0)
     policy = load_model(model_dir)
@@ -59,14 +81,19 @@ def main(model_dir: str, out: str, mode: str = "replicated") -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     run = SimpleNamespace(config=config, policy=policy, ref=None, optimizer=optimizer, scheduler=scheduler)
     run.ranks, run.sharded, run.tokenizer = ranks, sharded, SimpleNamespace(pad_token_id=0)
-    samples = fixed_samples(8)
+    samples = grouped_samples() if mode in ("grouped", "fsdp-shared") else fixed_samples(8)
     tokens = sum(sum(s.loss_mask) for s in samples)  # the whole step's loss tokens
     mine = shard(samples, ranks)
     # several micro-batches per rank; under FSDP rank 1 holds fewer (it runs empty ones)
-    batches = [collate(group, 0) for group in micro_batches(mine, 40 if ranks.rank == 0 else 80)]
+    budget = 40 if ranks.rank == 0 else 80
+    if mode == "fsdp-shared":
+        batches = batches_of(mine, budget, 0, packed=False, share_min=4)
+    else:
+        batches = [collate(group, 0) for group in micro_batches(mine, budget)]
     _prepare(run, batches)  # type: ignore[arg-type]
-    metrics = update_policy(run, batches, tokens)  # type: ignore[arg-type]
+    metrics: dict[str, object] = dict(update_policy(run, batches, tokens))  # type: ignore[arg-type]
     metrics["micro_batches"] = len(batches)
+    metrics["shared"] = [b.shared_prefix for b in batches]  # after the ranks' votes
     folder = Path(out)
     name = f"{mode}.{ranks.world}.{ranks.rank}"
     weights = full_state_dict(policy) if sharded else policy.state_dict()

@@ -51,7 +51,8 @@ def torchrun(ranks: int, *args: str, cwd: Path | None = None) -> str:
 
 
 @pytest.mark.parametrize(
-    ("mode", "alone_mode"), [("replicated", "replicated"), ("fsdp", "replicated"), ("fsdp-lora", "lora")]
+    ("mode", "alone_mode"),
+    [("replicated", "replicated"), ("fsdp", "replicated"), ("fsdp-lora", "lora"), ("fsdp-shared", "grouped")],
 )
 def test_two_gloo_ranks_make_the_one_process_update(
     tmp_path: Path, tiny_qwen3_dir: Path, mode: str, alone_mode: str
@@ -61,7 +62,11 @@ def test_two_gloo_ranks_make_the_one_process_update(
     ranks end with identical weights, equal to the one-process update; the losses are equal.
     ``fsdp``: the policy sharded across the two ranks (FSDP2), rank 1 with fewer micro-batches
     than rank 0 (it runs empty ones so the collectives meet): the same update, gathered whole.
-    ``fsdp-lora``: the same with LoRA adapters (trained) beside frozen weights in every unit."""
+    ``fsdp-lora``: the same with LoRA adapters (trained) beside frozen weights in every unit.
+    ``fsdp-shared``: sharded, on GRPO groups whose prompt runs once where both ranks' micro-batches
+    at a place share one (rank 0: three such, rank 1: one, then plain rows): the first place
+    shares, the second is outvoted, the third shares beside rank 1's empty batch; the update is
+    the one process's on plain rows."""
     worker = str(HERE / "dp_worker.py")
     torchrun(1, worker, str(tiny_qwen3_dir), str(tmp_path), alone_mode)
     torchrun(2, worker, str(tiny_qwen3_dir), str(tmp_path), mode)
@@ -81,6 +86,11 @@ def test_two_gloo_ranks_make_the_one_process_update(
     one = json.loads((tmp_path / f"metrics.{alone_mode}.1.0.json").read_text())
     two = [json.loads((tmp_path / f"metrics.{mode}.2.{r}.json").read_text()) for r in (0, 1)]
     assert two[0].pop("micro_batches") > two[1].pop("micro_batches")  # rank 1 ran empty ones
+    shared = [two[0].pop("shared"), two[1].pop("shared")]
+    if mode == "fsdp-shared":  # 10-token prompts; outvoted at the second place, for good
+        assert shared == [[10, 0, 10], [10, 0]], shared
+    else:
+        assert not any(shared[0] + shared[1])
     assert two[0] == two[1]  # every rank reports the step's totals
     assert abs(two[0]["loss/value"] - one["loss/value"]) < 1e-5
     assert abs(two[0]["grad_norm"] - one["grad_norm"]) < 1e-4 * max(1.0, one["grad_norm"])
@@ -140,7 +150,14 @@ def test_fsdp_under_torchrun_trains_part_of_the_model_checkpoints_it_whole_and_r
         "limits": {"max_turns": 1, "max_context_tokens": 128},
         "optim": {"lr": 1e-2, "trainable": [r"layers\.1\.", r"model\.norm"]},
         "rollout": {"group_size": 4},
-        "train": {"steps": 2, "prompts_per_step": 4, "plot": False, "save_every": 1, "fsdp": True},
+        "train": {
+            "steps": 2,
+            "prompts_per_step": 4,
+            "plot": False,
+            "save_every": 1,
+            "fsdp": True,
+            "share_prefix_tokens": 8,  # the prompts are short
+        },
         "output_dir": str(tmp_path / "run"),
     }
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
@@ -149,6 +166,7 @@ def test_fsdp_under_torchrun_trains_part_of_the_model_checkpoints_it_whole_and_r
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2] and "dist/param_spread" not in records[1]
     assert all(r["train/samples"] > 0 and r["grad_norm"] > 0 for r in records[1:])
+    assert sum(r["train/prefix_tokens_shared"] for r in records[1:]) > 0  # groups' prompts ran once
     base = load_model(str(tiny_qwen3_dir)).state_dict()
     saved = load_model(str(out / "checkpoints" / "step_000002" / "model")).state_dict()
     moved = {k for k in base if not torch.equal(base[k], saved[k])}
@@ -180,14 +198,21 @@ def test_fsdp_with_lora_under_torchrun_serves_merged_weights_and_checkpoints_ada
         "algorithm": {"recompute_old_logprobs": True, "kl_coef": 0.001},
         "optim": {"lr": 1e-2, "lora": {"r": 4}},
         "rollout": {"group_size": 4},
-        "train": {"steps": 2, "prompts_per_step": 4, "plot": False, "save_every": 2, "fsdp": True},
+        "train": {
+            "steps": 2,
+            "prompts_per_step": 4,
+            "plot": False,
+            "save_every": 2,
+            "fsdp": True,
+            "share_prefix_tokens": 8,  # the prompts are short: recomputed logprobs on shared prefixes
+        },
         "output_dir": str(tmp_path / "run"),
     }
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
     torchrun(2, "-m", "turnrl.cli", "train", "train.yaml", cwd=tmp_path)
     out = tmp_path / "run"
     records = steps_at_ratio_one(out, 2)
-    assert all(record["grad_norm"] > 0 for record in records[1:])
+    assert all(record["grad_norm"] > 0 and record["train/prefix_tokens_shared"] > 0 for record in records[1:])
     model = out / "checkpoints" / "step_000002" / "model"
     assert (model / "adapter_config.json").is_file() and not (model / "model.safetensors").exists()
     adapters = load_file(str(model / "adapter_model.safetensors"))

@@ -10,13 +10,16 @@ not averaged, so the update equals one process's on the whole batch).
 Two things follow from sharding. The logprob computation must be the forward of the sharded root
 (``ShardedPolicy``), so the root's weights are gathered for it and its gradients reduced. And
 every rank must run the layers' collectives equally often, so a rank with fewer micro-batches
-than another runs empty ones (``pad_batches``: a two-token batch whose loss is multiplied by 0).
+than another runs empty ones (``pad_batches``: a two-token batch whose loss is multiplied by 0),
+and a micro-batch runs a shared prefix apart (two body calls) only where every rank's batch at
+its place does (``agree_on_sharing``).
 After each update every rank gathers the full weights for its own engine (``full_state_dict``);
 rank 0 writes checkpoints from them, the AdamW moments gathered the same way.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -104,3 +107,25 @@ def pad_batches(
         return marked
     empty = collate([TrainSample([pad_id, pad_id], [0, 1], [0.0, 0.0], [0.0, 0.0])], pad_id).to(device)
     return marked + [(empty, False)] * missing
+
+
+def agree_on_sharing(marked: list[tuple[Batch, bool]], ranks: Ranks) -> list[tuple[Batch, bool]]:
+    """``marked`` (as ``pad_batches`` gives them, the same count on every rank), each running a
+    shared prefix apart only where every rank's batch at its place does: such a micro-batch runs
+    the body twice (prefix, then rest), and every rank must run each sharded layer as often as
+    the others. A batch outvoted loses its shared prefix for good (so its recomputed and trained
+    logprobs come the same way); an empty one follows the vote (one token of prefix, one of rest)."""
+    if not ranks.distributed:
+        return marked
+    import torch.distributed as dist
+
+    votes = torch.tensor([bool(b.shared_prefix) or not real for b, real in marked], dtype=torch.int64)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN)
+    out = []
+    for (batch, real), vote in zip(marked, votes.tolist(), strict=True):
+        if not real:
+            batch = replace(batch, shared_prefix=vote)
+        elif not vote:
+            batch.shared_prefix = 0
+        out.append((batch, real))
+    return out

@@ -72,6 +72,7 @@ from turnrl.train.evaluation import EVAL_SEED_OFFSET, eval_metrics, run_eval
 from turnrl.train.exclusions import exclude_failures, exclusion_metrics
 from turnrl.train.fsdp import (
     ShardedPolicy,
+    agree_on_sharing,
     full_optimizer_state,
     full_state_dict,
     load_optimizer_state,
@@ -251,10 +252,12 @@ def _pad_id(run: Run) -> int:
 
 
 def _even(run: Run, batches: list[Batch]) -> list[tuple[Batch, bool]]:
-    """The batches, each marked real; under FSDP, padded with empty ones to the most any rank has."""
+    """The batches, each marked real; under FSDP, padded with empty ones to the most any rank has,
+    and sharing a prefix only at places where every rank's batch does."""
     if run.sharded is None:
         return [(b, True) for b in batches]
-    return pad_batches(batches, run.ranks, _pad_id(run), run.policy.device)
+    padded = pad_batches(batches, run.ranks, _pad_id(run), run.policy.device)
+    return agree_on_sharing(padded, run.ranks)
 
 
 def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, float]:
@@ -344,16 +347,15 @@ async def learn(
     tokens, trained = int(everyone[0]), int(everyone[1])
     metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
     if trained:
-        # FSDP: every rank runs each sharded layer as often as the others; a shared micro-batch runs it twice
-        sharing = run.sharded is None and shares_prefixes(run.policy)
-        share = cfg.train.share_prefix_tokens if sharing else 0
+        share = cfg.train.share_prefix_tokens if shares_prefixes(run.policy) else 0
         parts = batches_of(
             samples, cfg.train.micro_batch_tokens, _pad_id(run), packs(cfg.train.pack, run.policy), share
         )
         batches = [part.to(run.policy.device) for part in parts]
-        shared = sum(b.shared_prefix * (len(b.input_ids_B_T) - 1) for b in parts)  # tokens not run again
-        metrics["train/prefix_tokens_shared"] = shared
         metrics |= await asyncio.to_thread(_update, run, batches, tokens)
+        # tokens not run again, over every rank (under FSDP, where the ranks' votes left a prefix)
+        shared = sum(b.shared_prefix * (len(b.input_ids_B_T) - 1) for b in batches)
+        metrics["train/prefix_tokens_shared"] = sum_across([shared], run.ranks)[0]
     if run.ranks.distributed and run.sharded is None:  # under FSDP each weight lives on one rank
         metrics["dist/param_spread"] = param_spread(run.policy, run.ranks)
     t2 = time.perf_counter()
