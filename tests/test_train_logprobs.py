@@ -310,7 +310,8 @@ def test_a_shared_prefix_runs_once_and_gives_the_whole_rows_logprobs_and_gradien
 def test_micro_batches_share_the_prefix_of_a_group_and_count_it_once() -> None:
     """Samples go in clusters by common prefix (two groups' prompts, a sample alone); each cluster's
     micro-batches fit the budget counting the prefix once and are marked with what their rows
-    share; samples with images, and a lone sample, go in plain padded rows."""
+    share; samples with images, and a lone sample, go in plain padded rows. When packing, a group
+    shares only where that runs fewer tokens; the others are packed."""
     from dataclasses import replace
 
     from turnrl.train.batch import batches_of, common_prefix, prefix_clusters
@@ -331,6 +332,12 @@ def test_micro_batches_share_the_prefix_of_a_group_and_count_it_once() -> None:
     assert [(tuple(x.input_ids_B_T.shape), x.shared_prefix) for x in split] == [((2, 60), 40), ((1, 45), 0)]
     assert all(x.shared_prefix == 0 for x in batches_of(a + b, 100, 0, packed=False))  # share_min 0: off
     assert all(x.shared_prefix == 0 for x in batches_of(a + b, 100, 0, packed=False, share_min=41))
+    # packing (flash attention): a group shares where that runs fewer tokens than its rows packed;
+    # a: 40 + 3 x 20 = 100 against 155 packed. skewed: 24 + 2 x 60 = 144 against 26 + 84 = 110
+    skewed = group_samples(24, [2, 60], 1000, seed=6)
+    mixed = batches_of(a + skewed + lone, 200, 0, packed=True, share_min=24)
+    layout = [(tuple(x.input_ids_B_T.shape), x.shared_prefix, x.position_ids_B_T is not None) for x in mixed]
+    assert layout == [((3, 60), 40, False), ((1, 84 + 53 + 26), 0, True)]
 
 
 def test_prefixes_are_shared_only_where_every_layer_caches_plain_keys_and_values(model: Any) -> None:

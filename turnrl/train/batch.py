@@ -320,23 +320,44 @@ def packs(setting: bool | str, model: Any) -> bool:
 def batches_of(
     samples: Sequence[TrainSample], max_tokens: int, pad_id: int, packed: bool, share_min: int = 0
 ) -> list[Batch]:
-    """The micro-batches of ``samples``: packed rows when ``packed`` (samples with images are
-    always padded rows), else right-padded ones. With ``share_min``, padded rows that begin with
-    the same at least that many tokens go in micro-batches of their own (``shared_prefix``: the
-    model runs the prefix once for all of them)."""
-    if packed and not any(s.multimodal for s in samples):
-        return [pack(part) for part in micro_batches(samples, max_tokens, packed=True)]
-    if not share_min:
-        return [collate(part, pad_id) for part in micro_batches(samples, max_tokens)]
-    lone = [s for s in samples if s.multimodal]  # images: their own rows
+    """The micro-batches of ``samples``: packed rows when ``packed`` (if any sample has images,
+    every sample goes in padded rows), else right-padded ones. With ``share_min``, samples that
+    begin with the same at least that many tokens go in micro-batches of their own
+    (``shared_prefix``: the model runs the prefix once for all of them); when packing, only those
+    that run fewer tokens so than packed (``_shared_batches``)."""
+    packed = packed and not any(s.multimodal for s in samples)
     out: list[Batch] = []
-    for cluster, shared in prefix_clusters([s for s in samples if not s.multimodal], share_min):
-        if len(cluster) == 1:
-            lone += cluster
-            continue
-        for part in micro_batches(cluster, max_tokens, shared=shared):
-            out.append(_shared_collate(part, pad_id, share_min))
-    return out + [collate(part, pad_id) for part in micro_batches(lone, max_tokens)]
+    rest = list(samples)
+    if share_min:
+        out, rest = _shared_batches(
+            [s for s in samples if not s.multimodal], max_tokens, pad_id, share_min, packed
+        )
+        rest += [s for s in samples if s.multimodal]  # images: their own rows
+    if packed:
+        return out + [pack(part) for part in micro_batches(rest, max_tokens, packed=True)]
+    return out + [collate(part, pad_id) for part in micro_batches(rest, max_tokens)]
+
+
+def _shared_batches(
+    samples: Sequence[TrainSample], max_tokens: int, pad_id: int, share_min: int, packed: bool
+) -> tuple[list[Batch], list[TrainSample]]:
+    """The micro-batches of the samples' clusters (``prefix_clusters``) that share a prefix of at
+    least ``share_min`` tokens, and the samples left over (alone, or in a micro-batch that shares
+    too little). When ``packed``, a micro-batch shares only if it runs fewer tokens than its rows
+    packed end to end: the prefix once and every row padded to the longest, against the rows'
+    total length; otherwise its samples are left over to pack."""
+    out: list[Batch] = []
+    left: list[TrainSample] = []
+    for cluster, shared in prefix_clusters(samples, share_min):
+        for part in micro_batches(cluster, max_tokens, shared=shared) if len(cluster) > 1 else [cluster]:
+            batch = _shared_collate(part, pad_id, share_min)
+            rows, width = batch.input_ids_B_T.shape
+            run = batch.shared_prefix + rows * (width - batch.shared_prefix)
+            if batch.shared_prefix and not (packed and run >= sum(len(s.input_ids) for s in part)):
+                out.append(batch)
+            else:
+                left += part
+    return out, left
 
 
 def _shared_collate(samples: list[TrainSample], pad_id: int, share_min: int) -> Batch:
