@@ -16,6 +16,7 @@ import asyncio
 import http.server
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -60,6 +61,10 @@ except ImportError:
     Sample = ContractSample  # type: ignore[misc,assignment]
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    request_queue_size = 64  # not 5: a burst of connections would wait out TCP's 1 s SYN retry
+
+
 class SGLangServer:
     """SGLang's /generate and /abort_request on 127.0.0.1, served by a turnrl engine (the embedded
     one, or a real vLLM server through ``VLLMServerEngine``)."""
@@ -70,6 +75,8 @@ class SGLangServer:
         self.weight_version = weight_version
         self.requests: list[dict[str, Any]] = []
         self.received = threading.Event()  # set when a /generate arrives
+        self.register_s = 0.0  # how long a request takes to reach the engine (SGLang tokenizes it)
+        self.registered: set[str] = set()  # rids of the requests the engine has
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._loop_thread.start()
@@ -89,7 +96,7 @@ class SGLangServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self._http_thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._http_thread.start()
@@ -99,7 +106,8 @@ class SGLangServer:
 
     def answer(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if path == "/abort_request":
-            self.run(self.engine.abort_all())
+            if body.get("abort_all") or body.get("rid") in self.registered:  # SGLang drops others
+                self.run(self.engine.abort_all())
             return {"success": True}
         assert path == "/generate" and body["return_logprob"] is True
         self.requests.append(body)
@@ -114,7 +122,12 @@ class SGLangServer:
             seed=p.get("sampling_seed"),
         )
         images = body.get("image_data") or []  # data URLs, what SGLang takes
-        gen = self.run(self.engine.generate(body["input_ids"], sampling, images))
+        time.sleep(self.register_s)  # an abort meanwhile misses this request, as on SGLang
+        self.registered.add(body["rid"])
+        try:
+            gen = self.run(self.engine.generate(body["input_ids"], sampling, images))
+        finally:
+            self.registered.discard(body["rid"])
         if gen.finish_reason == "stop":
             finish: dict[str, Any] = {"type": "stop", "matched": gen.token_ids[-1]}
         elif gen.finish_reason == "length":

@@ -43,11 +43,14 @@ def recording(answer: dict[str, Any]) -> tuple[httpx.MockTransport, list[dict[st
 
 class _SGLangAborts:
     """A server's /generate that holds each request until ``/abort_request`` names its rid, then
-    answers finish "abort" with one token sampled; records every abort body."""
+    answers finish "abort" with one token sampled; records every abort body. As SGLang does, it
+    drops an abort whose rid it has not registered, which it does ``register_s`` after the
+    request arrives (tokenizing it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, register_s: float = 0.0) -> None:
         self.held: dict[str, asyncio.Event] = {}
         self.aborts: list[dict[str, Any]] = []
+        self.register_s = register_s
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
@@ -56,6 +59,7 @@ class _SGLangAborts:
             if body.get("rid") in self.held:
                 self.held[body["rid"]].set()
             return httpx.Response(200, json={})
+        await asyncio.sleep(self.register_s)
         self.held[body["rid"]] = asyncio.Event()
         await self.held[body["rid"]].wait()
         meta = {"id": body["rid"], "finish_reason": {"type": "abort"}}
@@ -82,6 +86,18 @@ async def test_sglang_abort_all_aborts_this_clients_requests_by_rid() -> None:
     assert len(server.aborts) == 2
     await theirs.abort_all()
     assert (await asyncio.wait_for(other, 5)).finish_reason == "abort"
+
+
+async def test_sglang_abort_all_posts_again_an_abort_the_server_dropped() -> None:
+    """An abort that reaches SGLang before the request is registered there is dropped: ``abort_all``
+    posts it again until the request has returned, and returns only then."""
+    server = _SGLangAborts(register_s=0.3)
+    engine = SGLangEngine("http://sglang:30000", transport=httpx.MockTransport(server))
+    task = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_tokens=8)))
+    await until(lambda: engine.in_flight == 1)
+    await asyncio.wait_for(engine.abort_all(), 5)
+    assert task.done() and task.result().finish_reason == "abort" and engine.in_flight == 0
+    assert 2 <= len(server.aborts) <= 10  # the first ones dropped, about every 0.1 s after
 
 
 @pytest.mark.parametrize("logprobs_field", [True, False])

@@ -393,3 +393,29 @@ def test_settings_take_the_trainers_budget_and_only_tighten_it(tmp_path: Path) -
         load_settings(config, {"limits": {"max_turnz": 2}})
     with pytest.raises(SettingsError, match="no env"):
         env_factory(load_settings(None, {}), None)
+
+
+async def test_turnrl_sglang_engine_aborts_its_requests_even_those_still_on_their_way(
+    server: SGLangServer, qwen3_tokenizer: Any
+) -> None:
+    """``SGLangEngine.abort_all`` on the loopback SGLang server, right after six requests went out
+    (more than the engine's batch of 4), each reaching the engine 1 s after it arrives (SGLang
+    tokenizes it first): an abort for a rid not registered yet is dropped, as SGLang drops it, so
+    it goes out again; every request returns "abort" long before its 4000 tokens, and
+    ``abort_all`` returns only once they all have."""
+    engine = SGLangEngine(f"http://127.0.0.1:{server.port}", eos_token_ids=[qwen3_tokenizer.eos_token_id])
+    prompt = qwen3_tokenizer.encode("Write a long poem.")
+    sampling = SamplingParams(temperature=1.0, max_tokens=4000)
+    server.register_s = 1.0
+    try:
+        tasks = [asyncio.create_task(engine.generate(prompt, sampling)) for _ in range(6)]
+        while engine.in_flight < 6:
+            await asyncio.sleep(0.001)
+        await asyncio.wait_for(engine.abort_all(), 60)
+        assert all(task.done() for task in tasks) and engine.in_flight == 0
+        gens = [task.result() for task in tasks]
+        assert [g.finish_reason for g in gens] == ["abort"] * 6
+        assert all(len(g.token_ids) < 4000 for g in gens)
+    finally:
+        server.register_s = 0.0
+        await engine.close()

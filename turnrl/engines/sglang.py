@@ -11,7 +11,8 @@ Partial rollout: :meth:`SGLangEngine.abort_all` posts ``/abort_request`` with th
 each of this client's requests in flight (not SGLang's ``abort_all: true``, which would end an
 eval job's or another rank's requests on a shared server too); each of those ``/generate`` calls
 then returns with finish type "abort" and the tokens (and logprobs) sampled so far, which
-``generate`` keeps.
+``generate`` keeps. SGLang drops an abort whose rid it has not registered yet (a request still on
+its way in), so the aborts go out again for those still in flight until each has returned.
 :meth:`SGLangEngine.update_weights` takes a checkpoint folder on the server's disk and posts
 ``/update_weights_from_disk`` (``model_path``, ``weight_version``).
 
@@ -33,6 +34,9 @@ import httpx
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present, require
 from turnrl.types import EngineError, Generation, SamplingParams, Weights
 from turnrl.vision.processor import image_url
+
+ABORT_AGAIN_S = 0.1  # how long an abort may take before it is posted again (the rid may be new there)
+ABORT_WAIT_S = 30.0  # then abort_all gives up: those generations end on their own (max_new_tokens)
 
 
 def sampling_params(sampling: SamplingParams) -> dict[str, Any]:
@@ -197,8 +201,17 @@ class SGLangEngine:
 
     async def abort_all(self) -> None:
         """Abort this client's requests in flight, by rid (others sharing the server go on); each
-        of those generate() calls returns with finish_reason "abort" and the tokens sampled so far."""
-        await asyncio.gather(*(self.abort(rid) for rid in sorted(self._rids)))
+        of those generate() calls returns with finish_reason "abort" and the tokens sampled so far.
+        Returns once they have returned: an abort that SGLang dropped (the request not registered
+        yet) is posted again every ``ABORT_AGAIN_S``, for up to ``ABORT_WAIT_S``."""
+        pending = set(self._rids)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ABORT_WAIT_S
+        while pending and loop.time() < deadline:
+            await asyncio.gather(*(self.abort(rid) for rid in sorted(pending)))
+            again = min(loop.time() + ABORT_AGAIN_S, deadline)
+            while (pending := pending & self._rids) and loop.time() < again:
+                await asyncio.sleep(0.005)
 
     async def update_weights(self, weights: Weights, *, version: int | None = None) -> int:
         """Have the server load the checkpoint folder ``weights`` (a path on its disk).
