@@ -323,13 +323,14 @@ def test_micro_batches_share_the_prefix_of_a_group_and_count_it_once() -> None:
     assert common_prefix(a[0].input_ids, a[1].input_ids) == 40 and common_prefix([1, 2], [1, 2, 3]) == 2
     clusters = prefix_clusters(a + b + lone, 24)
     assert sorted((len(c), shared) for c, shared in clusters) == [(1, 0), (2, 30), (3, 40)]
-    # a: 40 + 3 x 20 = 100 fits; a budget of 90 splits it: 40 + 2 x 20 = 80, then the 5-token one alone
+    # a: 40 + 3 x 20 = 100 fits; a budget of 90 splits it where that runs fewest tokens: the longest
+    # alone (60), the others shared (40 + 2 x 10 = 60): 120, not 80 + 45 (the longest two shared)
     out = batches_of(a + b + lone + [image], 100, 0, packed=False, share_min=24)
     assert sorted((tuple(x.input_ids_B_T.shape), x.shared_prefix) for x in out) == [
         ((1, 44), 0), ((1, 53), 0), ((2, 38), 30), ((3, 60), 40),
     ]  # fmt: skip
     split = batches_of(a, 90, 0, packed=False, share_min=24)
-    assert [(tuple(x.input_ids_B_T.shape), x.shared_prefix) for x in split] == [((2, 60), 40), ((1, 45), 0)]
+    assert [(tuple(x.input_ids_B_T.shape), x.shared_prefix) for x in split] == [((2, 50), 40), ((1, 60), 0)]
     assert all(x.shared_prefix == 0 for x in batches_of(a + b, 100, 0, packed=False))  # share_min 0: off
     assert all(x.shared_prefix == 0 for x in batches_of(a + b, 100, 0, packed=False, share_min=41))
     # packing (flash attention): a group shares where that runs fewer tokens than its rows packed;

@@ -264,6 +264,8 @@ def micro_batches(
     longest), or their total length when ``packed``; samples that begin with the same ``shared``
     tokens count them once. A sample longer than ``max_tokens`` gets a group of its own."""
     ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
+    if shared and not packed:
+        return _fewest_tokens(ordered, max_tokens, shared)
     out: list[list[TrainSample]] = []
     for sample in ordered:
         group = out[-1] if out else []
@@ -275,6 +277,29 @@ def micro_batches(
             group.append(sample)
         else:
             out.append([sample])
+    return out
+
+
+def _fewest_tokens(ordered: list[TrainSample], max_tokens: int, shared: int) -> list[list[TrainSample]]:
+    """Samples that share ``shared`` leading tokens, longest first, in consecutive groups that run
+    the fewest tokens (each group: the prefix once, then rows x its longest's rest) within
+    ``max_tokens``: one group would pad every row to the longest, one per row would run the
+    prefix every time; the best cut lies between (dynamic programming over the cut points)."""
+    rests = [len(s.input_ids) - shared for s in ordered]
+    best = [0] + [-1] * len(ordered)  # best[j]: the fewest tokens for the first j samples
+    cut = [0] * (len(ordered) + 1)  # where the last group of the best for j begins
+    for j in range(1, len(ordered) + 1):
+        for i in range(j - 1, -1, -1):  # the group ordered[i:j], longest first
+            cost = shared + (j - i) * rests[i]
+            if cost > max_tokens and i < j - 1:
+                break  # longer groups only grow
+            if best[j] < 0 or best[i] + cost < best[j]:
+                best[j], cut[j] = best[i] + cost, i
+    out: list[list[TrainSample]] = []
+    j = len(ordered)
+    while j:
+        out.insert(0, ordered[cut[j] : j])
+        j = cut[j]
     return out
 
 
