@@ -349,7 +349,7 @@ def batches_of(
     every sample goes in padded rows), else right-padded ones. With ``share_min``, samples that
     begin with the same at least that many tokens go in micro-batches of their own
     (``shared_prefix``: the model runs the prefix once for all of them); when packing, only those
-    that run fewer tokens so than packed (``_shared_batches``)."""
+    that run fewer tokens that way than packed (``_shared_batches``)."""
     packed = packed and not any(s.multimodal for s in samples)
     out: list[Batch] = []
     rest = list(samples)
