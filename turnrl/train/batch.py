@@ -261,8 +261,9 @@ def micro_batches(
     samples: Sequence[TrainSample], max_tokens: int, packed: bool = False, shared: int = 0
 ) -> list[list[TrainSample]]:
     """Split samples, longest first, into groups that fit ``max_tokens``: their padded size (rows x
-    longest), or their total length when ``packed``; samples that begin with the same ``shared``
-    tokens count them once. A sample longer than ``max_tokens`` gets a group of its own."""
+    longest), or their total length when ``packed``. Padded samples that begin with the same
+    ``shared`` tokens count them once, in the groups that run the fewest tokens
+    (``_fewest_tokens``). A sample longer than ``max_tokens`` gets a group of its own."""
     ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
     if shared and not packed:
         return _fewest_tokens(ordered, max_tokens, shared)
@@ -271,8 +272,8 @@ def micro_batches(
         group = out[-1] if out else []
         if packed:  # total length
             size = sum(len(s.input_ids) for s in group) + len(sample.input_ids)
-        else:  # the prefix once, then rows x the longest's rest (the longest is the group's first)
-            size = shared + (len(group[0].input_ids) - shared) * (len(group) + 1) if group else 0
+        else:  # rows x the longest (the group's first)
+            size = len(group[0].input_ids) * (len(group) + 1) if group else 0
         if group and size <= max_tokens:
             group.append(sample)
         else:
