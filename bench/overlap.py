@@ -24,7 +24,8 @@ web call or a simulated user does: time in which a synchronous step's cores sit 
 ``scripts/install_vllm.sh``) instead of the embedded engine: generation then runs in the server's
 process (its CPU build computes on one core) while the trainer computes in this one.
 ``--set KEY=VALUE`` (repeatable) changes the workload for both modes, e.g. ``--set
-train.prompts_per_step=12`` doubles the groups of a step.
+train.prompts_per_step=12`` doubles the groups of a step; ``--overlap-set KEY=VALUE`` changes the
+overlapped mode only, e.g. ``--overlap-set train.max_inflight_groups=12``.
 """
 
 from __future__ import annotations
@@ -137,10 +138,13 @@ def curve(
     return wall, [(r["step"], r["eval/reward/mean"]) for r in records if "eval/reward/mean" in r]
 
 
-def curves(latency: float, engine: str, staleness: int, extra: tuple[str, ...]) -> None:
+def curves(
+    latency: float, engine: str, staleness: int, extra: tuple[str, ...], overlap_extra: tuple[str, ...]
+) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overlap in (("synchronous", False), ("overlapped", True)):
-            wall, held_out = curve(overlap, Path(tmp) / name, latency, engine, staleness, extra)
+            sets = extra + overlap_extra if overlap else extra
+            wall, held_out = curve(overlap, Path(tmp) / name, latency, engine, staleness, sets)
             shown = ", ".join(f"step {s}: {r:.3f}" for s, r in held_out)
             print(f"{name}: {wall / 60:.1f} min; held-out reward {shown}", flush=True)
 
@@ -156,9 +160,16 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for both modes"
     )
+    parser.add_argument(
+        "--overlap-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the overlapped mode only",
+    )
     args = parser.parse_args()
     if args.curve:
-        curves(args.env_latency, args.engine, args.max_staleness, tuple(args.set))
+        curves(args.env_latency, args.engine, args.max_staleness, tuple(args.set), tuple(args.overlap_set))
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,7 +183,7 @@ def main() -> None:
                 args.env_latency,
                 args.engine,
                 args.max_staleness,
-                extra,
+                extra + tuple(args.overlap_set),
             )
             rows.append((sync, over))
             print(
