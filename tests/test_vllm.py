@@ -30,7 +30,7 @@ from reference import reference_logprobs as reference
 from vllm_helpers import TOLERANCE, need_vllm, running
 
 from turnrl.config import RunConfig, VLLMEngineConfig, load_config
-from turnrl.engines.vllm import VLLMServerEngine
+from turnrl.engines.vllm import VLLMServerEngine, save_weights
 from turnrl.testing import until
 from turnrl.types import EngineError, SamplingParams, StopReason
 
@@ -112,6 +112,11 @@ def test_train_takes_vllm_and_refuses_engines_whose_weights_it_cannot_update() -
         TrainConfig.model_validate(base | {"engine": {"kind": "openai", "urls": ["http://127.0.0.1:1"]}})
     with pytest.raises(ValidationError, match="in_process"):
         TrainConfig.model_validate(base | {"engine": {"kind": "vllm", "in_process": True}})
+
+
+def test_in_flight_updates_need_servers() -> None:
+    with pytest.raises(ValueError, match="keep_in_flight needs vLLM servers"):
+        VLLMEngineConfig(kind="vllm", in_process=True, keep_in_flight=True)
 
 
 def test_the_policy_trains_on_train_device_which_the_embedded_engine_shares() -> None:
@@ -289,6 +294,44 @@ async def test_weights_update_in_place_exactly_and_stamp_their_version(
     assert restored.token_ids == before.token_ids and max_diff(restored.logprobs, before.logprobs) < TOLERANCE
 
 
+async def test_an_update_that_keeps_turns_in_flight_goes_on_in_the_same_request_under_new_weights(
+    servers: Any, smollm2: Any, smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    """``keep_in_flight``: an update freezes a generation mid-turn, and it goes on in the same
+    request under the new weights (it ends on its length, not aborted). The server's spans stamp
+    each token: those before the update are the base model's to float rounding, those after are not."""
+    engine = VLLMServerEngine(  # no eos: the turn runs its whole length
+        servers.servers[0].url,
+        timeout_s=120,
+        request_params={"ignore_eos": True},
+        refresh_tied_weights=True,
+        keep_in_flight=True,
+    )
+    prompt = chat(smollm2_tokenizer, "Tell me a long story about the sea.")
+    sampling = SamplingParams(temperature=1.0, max_tokens=LONG, seed=5)
+    new = save_weights(perturbed(smollm2, 1.3), tmp_path / "new")  # written before: the update is quick
+    try:
+        turn = asyncio.create_task(engine.generate(prompt, sampling))
+        await until(lambda: engine.tokens_received >= 20, 120, "20 tokens streamed")
+        version = await engine.update_weights(new)
+        gen = await asyncio.wait_for(turn, 300)
+        idle = await engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=4, seed=5))
+    finally:
+        await engine.update_weights(smollm2.state_dict())  # base weights for the tests after this one
+        await engine.close()
+    assert version == 1 and gen.finish_reason == "length" and len(gen.token_ids) == LONG
+    assert 1 in gen.versions, "the turn ended before the update"
+    cut = gen.versions.index(1)
+    assert cut >= 20 and gen.versions == [0] * cut + [1] * (LONG - cut)
+    base = reference(smollm2, prompt, gen.token_ids)
+    assert max_diff(gen.logprobs[:cut], base[:cut]) < TOLERANCE
+    assert max_diff(gen.logprobs[cut:], base[cut:]) > 0.1  # sampled by the new weights
+    assert idle.versions == [1] * 4
+
+
+LONG = 1000  # tokens of a turn that an update meets in flight
+
+
 def _guess_number(urls: list[str], output_dir: Path, prompts: int = 8) -> RunConfig:
     """examples/guess_number.yaml on running vLLM servers."""
     urls_list = "[" + ",".join(f'"{u}"' for u in urls) + "]"
@@ -429,12 +472,14 @@ async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_
     await reset.close()
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["abort", "keep"])
 async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_the_bound(
-    servers: Any, smollm2: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    keep: bool, servers: Any, smollm2: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``train.overlap`` on vLLM servers: rollouts go on while the trainer steps; each weight push
     aborts the turns in flight (keeping their tokens), loads the weights and resumes every turn from
-    its last token under the new version. Versions never go backwards along a trajectory, every
+    its last token under the new version (with ``engine.keep_in_flight``: the server freezes them and
+    they go on in the same requests). Versions never go backwards along a trajectory, every
     trained token is within the staleness bound, and the sequences stay exact. ``PushGate`` makes
     each push meet first turns in flight (without it, that depends on the model and the timing)."""
     import vllm_helpers
@@ -461,6 +506,7 @@ async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_t
         "train.save_every=0",
         "train.save_rollouts=true",
         "train.overlap=true",
+        f"engine.keep_in_flight={str(keep).lower()}",
         "train.max_inflight_groups=8",
         "algorithm.max_staleness=1",
         "rollout.group_size=2",

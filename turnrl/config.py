@@ -193,6 +193,12 @@ class VLLMEngineConfig(_ClientConfig):
     through turnrl's worker extension; None: on for servers turnrl starts, off for urls."""
     request_params: dict[str, Any] = Field(default_factory=dict)
     """More fields for every request, e.g. {repetition_penalty: 1.1, min_p: 0.05} (turnrl's own win)."""
+    keep_in_flight: bool = False
+    """A weight push freezes the turns in flight and they go on in the same requests under the new
+    weights, their KV cache kept (nothing is run again; as PipelineRL's in-flight updates), each token
+    stamped by the server with the version that sampled it; false: they are aborted and go on from
+    their last token in new requests, their context run again under the new weights. Servers need
+    --enable-scale-out (those turnrl starts get it); not in process."""
     in_process: bool = False
     """Run vLLM's AsyncLLM inside this process instead (vllm importable here; engine_args apply)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
@@ -204,6 +210,8 @@ class VLLMEngineConfig(_ClientConfig):
     def _one_mode(self) -> VLLMEngineConfig:
         if self.in_process and self.urls:
             raise ValueError("engine.in_process and engine.urls exclude each other")
+        if self.in_process and self.keep_in_flight:
+            raise ValueError("engine.keep_in_flight needs vLLM servers, not engine.in_process")
         if self.ray.enabled and not self.in_process:
             raise ValueError(
                 "engine.ray with kind vllm runs vLLM inside each actor: set engine.in_process: true"

@@ -99,7 +99,8 @@ def vllm_engine(
 ) -> Engine:
     """Clients for vLLM servers: ``e.urls``, else ``e.servers`` servers started here for ``model``
     (stopped when the engine closes); several go behind the balancer. A VLM's turns with images
-    go to vLLM's token-in generate endpoint, which its managed servers enable (``--enable-scale-out``)."""
+    go to vLLM's token-in generate endpoint, which its managed servers enable (``--enable-scale-out``),
+    as every turn does with ``keep_in_flight``."""
     from turnrl.engines.managed import ManagedEngine
     from turnrl.engines.process import launch_all
     from turnrl.engines.vllm_server import servers_for
@@ -107,6 +108,7 @@ def vllm_engine(
     vision = load_vision_processor(model, tokenizer)
     servers = []
     urls = list(e.urls)
+    token_in = vision or e.keep_in_flight  # turns go to the generate endpoint
     if not urls:
         folder = model_folder(model)
         servers = list(
@@ -119,7 +121,7 @@ def vllm_engine(
                 dtype=e.dtype,
                 kv_cache_gib=e.kv_cache_gib,
                 seed=seed,
-                args={"enable_scale_out": True} | e.server_args if vision else e.server_args,
+                args={"enable_scale_out": True} | e.server_args if token_in else e.server_args,
             )
         )
         started = time.monotonic()
@@ -156,6 +158,7 @@ def _vllm_clients(
             request_params=e.request_params,
             image_token_id=image_token,
             refresh_tied_weights=managed if e.refresh_tied_weights is None else e.refresh_tied_weights,
+            keep_in_flight=e.keep_in_flight,
         )
         for url in urls
     ]

@@ -28,6 +28,17 @@ by up to 5% on the tiny Qwen2-VL without it). Tokens carry the weight version th
 with (``Generation.versions``): the engine's version is bumped before ``/resume``, and nothing
 is sampled while the server is paused, so the stamp is exact.
 
+With ``keep_in_flight`` (overlapped training's in-flight updates, as PipelineRL's) an update
+does not wait for or abort the generations in flight: ``/pause?mode=keep`` freezes them where they
+are, the weights reload, and after ``/resume`` each goes on in the same request, its context's KV
+cache as the old weights computed it (nothing is run again; the prefix cache is not reset either,
+so a later request may reuse such KV). The sampled tokens' logprobs are those the server sampled
+with, so the importance correction stays exact. Every generation then streams
+``/inference/v1/generate`` (the server runs with ``--enable-scale-out``), whose last event gives the
+server's own weight-version spans over the output tokens: each token carries the version that
+sampled it. A generation aborted before its last event has no spans; its tokens carry the
+version it started under (the oldest they can be).
+
 The server must run with ``VLLM_SERVER_DEV_MODE=1`` for these endpoints (managed servers do).
 """
 
@@ -60,6 +71,7 @@ class _Received:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: str | None = None
+    spans: list[Mapping[str, Any]] | None = None  # the server's weight-version spans (its last event)
 
 
 def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
@@ -133,23 +145,28 @@ def vision_payload(
     prompt_ids: Sequence[int],
     sampling: SamplingParams,
     images: Sequence[Any],
-    image_token_id: int,
+    image_token_id: int | None,
     request_params: Mapping[str, Any],
     model: str | None,
 ) -> dict[str, Any]:
-    """The ``/inference/v1/generate`` body of a turn with images; ``request_params`` are sampling fields.
+    """The ``/inference/v1/generate`` body of a turn (with images: ``image_token_id`` is needed);
+    ``request_params`` are sampling fields.
 
     The sampling fields are those of a text turn's ``/v1/completions`` request (one place builds them).
     """
     text_turn = completion_payload("vllm", (), sampling, None)
     params = {k: text_turn[k] for k in _SAMPLING_FIELDS if k in text_turn} | {"n": 1}
     body: dict[str, Any] = {
-        "token_ids": one_token_per_image(prompt_ids, images, image_token_id),
-        "content_parts": [{"type": "image_url", "url": image_url(image)} for image in images],
+        "token_ids": list(prompt_ids),
         "sampling_params": dict(request_params) | params,
         "return_token_ids": True,
         "stream": True,
     }
+    if images:
+        if image_token_id is None:
+            raise RequestError("a turn with images needs the model's image token id")
+        body["token_ids"] = one_token_per_image(prompt_ids, images, image_token_id)
+        body["content_parts"] = [{"type": "image_url", "url": image_url(image)} for image in images]
     if model:
         body["model"] = model
     return body
@@ -187,6 +204,7 @@ class VLLMServerEngine:
         request_params: Mapping[str, Any] | None = None,
         image_token_id: int | None = None,
         refresh_tied_weights: bool = False,
+        keep_in_flight: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         """``base_url`` is the server root; ``weights_dir`` is where a state dict given to
@@ -195,7 +213,8 @@ class VLLMServerEngine:
         (vLLM's sampling fields such as ``repetition_penalty``, ``min_p`` or ``structured_outputs``;
         the fields turnrl sets itself win); ``image_token_id``: the VLM's image token, for turns
         with images; ``refresh_tied_weights``: the server runs turnrl's worker extension (servers
-        turnrl starts do), called after each reload."""
+        turnrl starts do), called after each reload; ``keep_in_flight``: an update freezes the
+        generations in flight and they go on under the new weights (the module's docstring)."""
         root = base_url.rstrip("/")
         root = root[: -len("/v1")] if root.endswith("/v1") else root
         retry = RetryPolicy(max_retries=max_retries, budget_s=retry_budget_s)
@@ -208,6 +227,8 @@ class VLLMServerEngine:
         self.request_params = dict(request_params or {})
         self.image_token_id = image_token_id
         self.refresh_tied_weights = refresh_tied_weights
+        self.keep_in_flight = keep_in_flight
+        self._labels: dict[str, int] = {}  # the weight-version labels this engine gave the server
         self._own_weights_dir = False
         self._version = 0
         self._streams: set[asyncio.Future[Any]] = set()  # the streams being read now
@@ -242,6 +263,7 @@ class VLLMServerEngine:
         if not prompt_ids:
             raise RequestError("empty prompt")
         path, body = self._request(prompt_ids, sampling, images)
+        started = self._version
         got = _Received(info={"server": self.base_url})
         stream = asyncio.ensure_future(self._read(path, body, prompt_ids if images else None, got))
         self._streams.add(stream)
@@ -255,14 +277,27 @@ class VLLMServerEngine:
         finally:
             self._streams.discard(stream)
             self._aborted.discard(stream)
-        version = self._version
-        got.info["weight_versions"] = [version, version]
+        versions = self._versions(got, started)
+        got.info["weight_versions"] = [versions[0], versions[-1]] if versions else [self._version] * 2
         stop_ids = self.eos_token_ids | frozenset(sampling.stop_token_ids)
         gen = finish(
             got.ids, got.logprobs, got.reason, stop_ids, got.info, eos_known=bool(self.eos_token_ids)
         )
-        gen.versions = [version] * len(gen.token_ids)
+        gen.versions = versions[: len(gen.token_ids)]
         return gen
+
+    def _versions(self, got: _Received, started: int) -> list[int]:
+        """The weight version of each token of ``got``. Without ``keep_in_flight`` one for all, the
+        current one: no update happens while a generation is in flight. With it, the server's spans
+        (a label this engine did not set, such as the start-up weights', is the version the request
+        began under), or where there are none (an abort) the version it began under."""
+        if not self.keep_in_flight:
+            return [self._version] * len(got.ids)
+        out = [started] * len(got.ids)
+        for span in got.spans or ():
+            start, end = int(span["start"]), int(span["end"])
+            out[start:end] = [self._labels.get(str(span["version"]), started)] * (end - start)
+        return out
 
     async def _read(
         self, path: str, body: dict[str, Any], images_prompt: Sequence[int] | None, got: _Received
@@ -283,17 +318,20 @@ class VLLMServerEngine:
                 got.reason = choice.get("finish_reason") or got.reason
                 if choice.get("stop_reason") is not None:
                     got.info["stop_reason"] = choice["stop_reason"]
+                if choice.get("weight_versions"):
+                    got.spans = list(choice["weight_versions"])
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise RequestError(f"{self.base_url}: malformed completion event ({exc!r})") from None
 
     def _request(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, images: Sequence[Any]
     ) -> tuple[str, dict[str, Any]]:
-        """The endpoint and streamed body of one generation: completions for text, generate for images."""
-        if not images:
+        """The endpoint and streamed body of one generation: completions for text, generate for
+        images (and for every turn with ``keep_in_flight``: its last event has the version spans)."""
+        if not images and not self.keep_in_flight:
             body = self.request_params | completion_payload("vllm", prompt_ids, sampling, self.model)
             return "/v1/completions", body | {"stream": True}
-        if self.image_token_id is None:
+        if images and self.image_token_id is None:
             raise RequestError(f"{self.base_url}: a turn with images needs the model's image token id")
         body = vision_payload(
             prompt_ids, sampling, images, self.image_token_id, self.request_params, self.model
@@ -326,20 +364,23 @@ class VLLMServerEngine:
         """Load new weights into the server in place; the new version (``version``, else previous + 1).
 
         ``weights``: a state dict (written to ``weights_dir`` first) or a folder of safetensors
-        the server can read. Requests in flight finish on the old weights first.
+        the server can read. Requests in flight finish on the old weights first (with
+        ``keep_in_flight``: they freeze and go on under the new weights).
         """
         new = self._version + 1 if version is None else version
         folder = self._save(weights) if isinstance(weights, Mapping) else Path(weights)
         if not any(folder.glob("*.safetensors")):
             raise EngineError(f"no *.safetensors in {folder} for the vLLM server to load")
-        await self._client.post("/pause?mode=wait", {})
+        await self._client.post(f"/pause?mode={'keep' if self.keep_in_flight else 'wait'}", {})
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}
             await self._client.post("/collective_rpc", rpc, timeout_s=max(self._client.timeout_s, 600.0))
             if self.refresh_tied_weights:
                 await self._client.post("/collective_rpc", {"method": "refresh_tied_weights"})
-            await self._client.post("/reset_prefix_cache", {})
+            if not self.keep_in_flight:  # frozen requests hold their KV: vLLM would refuse the reset
+                await self._client.post("/reset_prefix_cache", {})
             await self._client.post("/update_weight_version", {"new_version": str(new)})
+            self._labels[str(new)] = new
             self._version = new  # before /resume: every token after it is sampled by the new weights
         finally:
             await self._client.post("/resume", {})
@@ -354,6 +395,7 @@ class VLLMServerEngine:
             raise EngineError(
                 f"{self.base_url} serves weight version {served}, not {version}: the update did not reach it"
             )
+        self._labels[str(version)] = version
         self._version = version
 
     def _save(self, weights: Mapping[str, Any]) -> Path:

@@ -607,14 +607,18 @@ def _gathered_weights(run: Run) -> dict[str, torch.Tensor]:
 async def _servers_load(run: Run) -> None:
     """The servers load the checkpoint in ``run.weights_dir``. Overlapped training: every rank's turns
     in flight stop where they are (each rank aborts its own requests; their tokens are kept) and go
-    on from their last token under the new weights (a partial rollout). Under torchrun the first
-    rank updates once every rank has paused; the others then take up the version the servers report."""
+    on from their last token under the new weights (a partial rollout); with ``keep_in_flight`` the
+    servers freeze them instead and they go on in the same requests, and no turn starts meanwhile.
+    Under torchrun the first rank updates once every rank has paused; the others then take up the
+    version the servers report."""
     control, ranks = run.spec.control, run.ranks
     new = int(getattr(run.engine, "weight_version", 0)) + 1
     failure: BaseException | None = None  # raised once every rank has passed both barriers
     try:
         try:
-            if control is not None:
+            if control is not None and getattr(run.config.engine, "keep_in_flight", False):
+                control.hold()
+            elif control is not None:
                 await control.pause(as_abortable(run.engine))
         except Exception as exc:
             failure = exc
