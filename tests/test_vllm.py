@@ -114,9 +114,22 @@ def test_train_takes_vllm_and_refuses_engines_whose_weights_it_cannot_update() -
         TrainConfig.model_validate(base | {"engine": {"kind": "vllm", "in_process": True}})
 
 
-def test_in_flight_updates_need_servers() -> None:
+def test_in_flight_updates_need_servers_and_one_training_process() -> None:
+    from rich.console import Console
+
+    from turnrl.config import ConfigError
+    from turnrl.train.config import load_train_config
+    from turnrl.train.data_parallel import Ranks
+    from turnrl.train.trainer import _server_engine
+
     with pytest.raises(ValueError, match="keep_in_flight needs vLLM servers"):
         VLLMEngineConfig(kind="vllm", in_process=True, keep_in_flight=True)
+    config = load_train_config(
+        ROOT / "examples" / "train_key_lookup.yaml", ["engine.kind=vllm", "engine.keep_in_flight=true"]
+    )
+    assert isinstance(config.engine, VLLMEngineConfig)
+    with pytest.raises(ConfigError, match="keep_in_flight is not supported under torchrun"):
+        _server_engine(config, config.engine, Console(), Ranks(rank=1, world=2))  # before any server
 
 
 def test_the_policy_trains_on_train_device_which_the_embedded_engine_shares() -> None:

@@ -198,7 +198,7 @@ class VLLMEngineConfig(_ClientConfig):
     weights, their KV cache kept (nothing is run again; as PipelineRL's in-flight updates), each token
     stamped by the server with the version that sampled it; false: they are aborted and go on from
     their last token in new requests, their context run again under the new weights. Servers need
-    --enable-scale-out (those turnrl starts get it); not in process."""
+    --enable-scale-out (those turnrl starts get it); not in process, not under torchrun."""
     in_process: bool = False
     """Run vLLM's AsyncLLM inside this process instead (vllm importable here; engine_args apply)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)

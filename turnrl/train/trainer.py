@@ -37,7 +37,7 @@ from transformers.utils import logging as hf_logging
 from turnrl.app.engines import hf_engine_options, local_engine
 from turnrl.app.parts import build_env_factory, build_spec, load_samples
 from turnrl.app.run import SERVERS
-from turnrl.config import HFEngineConfig, VLLMEngineConfig
+from turnrl.config import ConfigError, HFEngineConfig, VLLMEngineConfig
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.vllm import save_weights, scratch_weights_dir
 from turnrl.env.registry import resolve_env
@@ -547,6 +547,8 @@ def _server_engine(config: TrainConfig, e: VLLMEngineConfig, console: Console, r
             log_dir = Path(config.output_dir) / SERVERS
             return local_engine(config.model, e, log_dir=log_dir, say=status.update, seed=config.seed)[0]
 
+    if e.keep_in_flight and ranks.distributed:  # another rank's push would meet this rank's turns
+        raise ConfigError("engine.keep_in_flight is not supported under torchrun (several trainers)")
     if e.urls or not ranks.distributed:
         return start()
     engine: Engine | None = None
