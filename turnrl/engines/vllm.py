@@ -331,8 +331,6 @@ class VLLMServerEngine:
         if not images and not self.keep_in_flight:
             body = self.request_params | completion_payload("vllm", prompt_ids, sampling, self.model)
             return "/v1/completions", body | {"stream": True}
-        if images and self.image_token_id is None:
-            raise RequestError(f"{self.base_url}: a turn with images needs the model's image token id")
         body = vision_payload(
             prompt_ids, sampling, images, self.image_token_id, self.request_params, self.model
         )
