@@ -294,6 +294,48 @@ async def test_vllm_in_flight_updates_freeze_turns_and_stamp_tokens_by_the_serve
     await engine.close()
 
 
+def test_a_push_file_is_safetensors_own_bytes_written_over_the_last_one_in_place(tmp_path: Path) -> None:
+    """A push's weights file is what ``safetensors`` reads back exactly, as long as its own writer's
+    (every dtype a policy has, a scalar, an empty tensor), each tensor aligned; the next push
+    rewrites the same file (same inode: the pages stay) and a smaller one cuts it to its length; a
+    dtype the format lacks is refused by name."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from turnrl.engines.vllm import WEIGHTS_FILE, save_weights
+    from turnrl.engines.weights import write_safetensors
+
+    tensors = {
+        "w": torch.randn(3, 5),
+        "h": torch.randn(7).to(torch.bfloat16),
+        "f": torch.randn(2, 2).to(torch.float16),
+        "ids": torch.arange(4),
+        "scale": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
+        "mask": torch.tensor([True, False, True]),
+    }
+    save_file(tensors, str(tmp_path / "theirs.safetensors"))
+    ours = write_safetensors(tensors, tmp_path / "ours.safetensors")
+    back = load_file(str(ours))
+    assert set(back) == set(tensors)
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
+    assert ours.stat().st_size == (tmp_path / "theirs.safetensors").stat().st_size
+    raw = ours.read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert all(header[k]["data_offsets"][0] % v.element_size() == 0 for k, v in tensors.items())  # aligned
+
+    file = save_weights({"a": torch.zeros(64, 64), "b": torch.ones(8)}, tmp_path / "push") / WEIGHTS_FILE
+    inode = file.stat().st_ino
+    new = {"a": torch.randn(64, 64), "b": torch.randn(8)}
+    save_weights(new, tmp_path / "push")
+    assert file.stat().st_ino == inode and list(file.parent.iterdir()) == [file]
+    assert all(torch.equal(load_file(str(file))[k], v) for k, v in new.items())
+    save_weights({"b": torch.randn(8)}, tmp_path / "push")
+    assert set(load_file(str(file))) == {"b"} and file.stat().st_size < 64 * 64 * 4
+    with pytest.raises(ValueError, match=r"x: dtype torch\.complex64 has no safetensors name"):
+        write_safetensors({"x": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "c.safetensors")
+
+
 async def test_sglang_generate_request_and_response() -> None:
     transport, seen = mock(answer_with(sglang_answer({"type": "stop", "matched": EOS})))
     engine = SGLangEngine("http://sglang:30000", eos_token_ids=[EOS, EOT], transport=transport)

@@ -57,6 +57,7 @@ import httpx
 
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present
 from turnrl.engines.openai import completion_payload
+from turnrl.engines.weights import write_safetensors
 from turnrl.types import EngineError, Generation, SamplingParams, Weights
 from turnrl.vision.processor import image_url
 
@@ -75,9 +76,8 @@ class _Received:
 
 
 def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
-    """Write a state dict as ``folder/model.safetensors`` (tied tensors once); the folder."""
-    from safetensors.torch import save_file
-
+    """Write a state dict as ``folder/model.safetensors`` (tied tensors once), over the last push's
+    file in place (see ``write_safetensors``); the folder."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     seen: set[tuple[int, int]] = set()
@@ -88,9 +88,7 @@ def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
             continue
         seen.add(key)
         tensors[name] = tensor.detach().to("cpu").contiguous()
-    tmp = out / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, out / WEIGHTS_FILE)
+    write_safetensors(tensors, out / WEIGHTS_FILE)
     return out
 
 
