@@ -294,11 +294,11 @@ async def test_vllm_in_flight_updates_freeze_turns_and_stamp_tokens_by_the_serve
     await engine.close()
 
 
-def test_a_push_file_is_safetensors_own_bytes_written_over_the_last_one_in_place(tmp_path: Path) -> None:
+def test_a_push_file_reads_back_exactly_and_the_next_push_rewrites_it_in_place(tmp_path: Path) -> None:
     """A push's weights file is what ``safetensors`` reads back exactly, as long as its own writer's
-    (every dtype a policy has, a scalar, an empty tensor), each tensor aligned; the next push
-    rewrites the same file (same inode: the pages stay) and a smaller one cuts it to its length; a
-    dtype the format lacks is refused by name."""
+    (every dtype a policy has, a scalar, an empty tensor, a transposed one), each tensor aligned;
+    the next push rewrites the same file (same inode: the pages stay) and a smaller one cuts it to
+    its length; a dtype the format lacks is refused by name."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -313,8 +313,9 @@ def test_a_push_file_is_safetensors_own_bytes_written_over_the_last_one_in_place
         "scale": torch.tensor(2.5, dtype=torch.float64),
         "empty": torch.zeros(0, 3),
         "mask": torch.tensor([True, False, True]),
+        "t": torch.randn(4, 6).T,  # not contiguous
     }
-    save_file(tensors, str(tmp_path / "theirs.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "theirs.safetensors"))
     ours = write_safetensors(tensors, tmp_path / "ours.safetensors")
     back = load_file(str(ours))
     assert set(back) == set(tensors)

@@ -87,7 +87,7 @@ def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
         if key in seen:  # a tied weight (lm_head = embed_tokens): the model ties it again on load
             continue
         seen.add(key)
-        tensors[name] = tensor.detach().to("cpu").contiguous()
+        tensors[name] = tensor
     write_safetensors(tensors, out / WEIGHTS_FILE)
     return out
 

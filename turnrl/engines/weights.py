@@ -55,7 +55,7 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> Path:
-    """Write ``tensors`` (contiguous, on CPU) as one safetensors file at ``path``, in place.
+    """Write ``tensors`` (on any device, in any layout) as one safetensors file at ``path``, in place.
 
     The bytes are those of the safetensors format (an 8-byte little-endian header length, the JSON
     header padded to 8 bytes, then each tensor's raw bytes); ``safetensors.torch.load_file`` reads
@@ -66,7 +66,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLi
     """
     import torch
 
-    # widest dtypes first, as safetensors orders them: every tensor's bytes start aligned to its dtype
+    # widest dtypes first (as safetensors does): every tensor's bytes start aligned to its dtype
     ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
     header: dict[str, object] = {}
     offset = 0
@@ -82,8 +82,8 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLi
     out = Path(path)
     with open(out, "r+b" if out.is_file() else "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
-        for _, tensor in ordered:
+        for _, tensor in ordered:  # one at a time onto the CPU: the host never holds a second model
             if tensor.numel():
-                f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+                f.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
         f.truncate()
     return out
