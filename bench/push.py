@@ -51,7 +51,7 @@ def save_new_file(weights: dict[str, torch.Tensor], folder: Path) -> Path:
     return folder
 
 
-async def push(engine: Any, writer: Any, weights: dict[str, torch.Tensor], folder: Path) -> tuple[float, float]:
+async def push(engine: Any, writer: Any, weights: dict[str, Any], folder: Path) -> tuple[float, float]:
     """One push: (write seconds, reload seconds)."""
     t0 = time.perf_counter()
     await asyncio.to_thread(writer, weights, folder)
