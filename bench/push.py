@@ -8,7 +8,8 @@ float32, 540 MB), after ``scripts/install_vllm.sh``:
 - new file: ``safetensors.torch.save_file`` to a new file renamed over the old one (what turnrl
   did before), so every push faults in fresh shared-memory pages.
 
-Each push writes new values (the weights perturbed), so no push is a no-op. Reported: the median
+Each push writes new values (every weight perturbed in place, the tied output layer with its
+embedding), so no push is a no-op. Reported: the median
 write, reload and whole push of each writer, and their ratios.
 
     .venv/bin/python bench/push.py [--pushes 6]
@@ -42,7 +43,7 @@ def save_new_file(weights: dict[str, torch.Tensor], folder: Path) -> Path:
     seen: set[int] = set()
     tensors = {}
     for name, tensor in weights.items():
-        if tensor.data_ptr() not in seen:
+        if tensor.data_ptr() not in seen:  # the tied output layer is the embedding: written once
             seen.add(tensor.data_ptr())
             tensors[name] = tensor.contiguous()
     tmp = folder / f".{WEIGHTS_FILE}.tmp"
@@ -71,9 +72,10 @@ async def main(pushes: int) -> None:
     try:
         for i in range(pushes + 1):  # the first round warms both up and is not counted
             for name, writer in writers.items():
-                with torch.no_grad():
-                    weights = {k: v + (i + 1) * 1e-4 for k, v in model.state_dict().items()}
-                took = await push(managed, writer, weights, folders[name])
+                with torch.no_grad():  # in place: the tied output layer stays the embedding
+                    for param in model.parameters():
+                        param.add_(1e-4)
+                took = await push(managed, writer, model.state_dict(), folders[name])
                 if i:
                     times[name].append(took)
                 print(f"push {i} {name}: write {took[0]:.3f} s, reload {took[1]:.3f} s", flush=True)
