@@ -30,7 +30,7 @@ import torch
 
 from turnrl.app.engines import vllm_engine
 from turnrl.config import VLLMEngineConfig
-from turnrl.engines.vllm import WEIGHTS_FILE, save_weights, scratch_weights_dir
+from turnrl.engines.vllm import WEIGHTS_FILE, save_weights, scratch_weights_dir, untied
 from turnrl.models import load_model, load_tokenizer
 
 MODEL = "smollm2-135m"
@@ -40,14 +40,8 @@ def save_new_file(weights: dict[str, torch.Tensor], folder: Path) -> Path:
     """The former writer: ``safetensors`` to a new file, renamed over the last (tied tensors once)."""
     from safetensors.torch import save_file
 
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in weights.items():
-        if tensor.data_ptr() not in seen:  # the tied output layer is the embedding: written once
-            seen.add(tensor.data_ptr())
-            tensors[name] = tensor.contiguous()
     tmp = folder / f".{WEIGHTS_FILE}.tmp"
-    save_file(tensors, str(tmp))
+    save_file({name: tensor.contiguous() for name, tensor in untied(weights).items()}, str(tmp))
     os.replace(tmp, folder / WEIGHTS_FILE)
     return folder
 

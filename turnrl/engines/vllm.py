@@ -75,20 +75,24 @@ class _Received:
     spans: list[Mapping[str, Any]] | None = None  # the server's weight-version spans (its last event)
 
 
+def untied(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """``weights`` with each tied tensor once (lm_head = embed_tokens: the model ties it again on load)."""
+    seen: set[tuple[int, int]] = set()
+    tensors: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = tensor
+    return tensors
+
+
 def save_weights(weights: Mapping[str, Any], folder: str | Path) -> Path:
     """Write a state dict as ``folder/model.safetensors`` (tied tensors once), over the last push's
     file in place (see ``write_safetensors``); the folder."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    seen: set[tuple[int, int]] = set()
-    tensors: dict[str, Any] = {}
-    for name, tensor in weights.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:  # a tied weight (lm_head = embed_tokens): the model ties it again on load
-            continue
-        seen.add(key)
-        tensors[name] = tensor
-    write_safetensors(tensors, out / WEIGHTS_FILE)
+    write_safetensors(untied(weights), out / WEIGHTS_FILE)
     return out
 
 
