@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -178,6 +179,28 @@ def test_lora_pushes_the_whole_merged_model_to_a_server(tiny_qwen3_model: Any, t
     with torch.no_grad():
         assert not torch.allclose(plain(ids).logits, tiny_qwen3_model(ids).logits, atol=1e-3)
         assert torch.allclose(plain(ids).logits, policy(ids).logits, atol=1e-4)
+
+
+def test_cores_split_into_one_run_per_server_unless_the_user_binds_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from turnrl.engines import vllm_server
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {4, 5, 6, 7, 8})
+    assert vllm_server.core_binds(1) == ["4,5,6,7,8"]
+    assert vllm_server.core_binds(2) == ["4,5,6", "7,8"]
+    assert vllm_server.core_binds(5) == ["4", "5", "6", "7", "8"]
+    assert vllm_server.core_binds(7) == ["4", "5", "6", "7", "8", "4", "5"]
+    monkeypatch.setattr(vllm_server, "find_vllm_python", lambda _: Path(sys.executable))
+    (server,) = vllm_server.servers_for(tmp_path, 1, None)
+    assert server.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "4,5,6,7,8"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "5|6")  # the user's binding stands
+    assert [
+        s.environment()["VLLM_CPU_OMP_THREADS_BIND"] for s in vllm_server.servers_for(tmp_path, 2, None)
+    ] == [
+        "5|6",
+        "5|6",
+    ]
 
 
 def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -552,9 +575,9 @@ async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_t
 
 
 @pytest.fixture(scope="module")
-def qwen3_url(
+def qwen3_server(
     tiny_qwen3_dir: Path, qwen3_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+) -> Iterator[Any]:
     """One vLLM server for the tiny random Qwen3 (real Qwen3 tokenizer and chat template)."""
     need_vllm()
     from turnrl.app.engines import vllm_engine
@@ -562,8 +585,34 @@ def qwen3_url(
     config = VLLMEngineConfig(kind="vllm", servers=1, max_model_len=2048, kv_cache_gib=1)
     logs = tmp_path_factory.mktemp("vllm-qwen3")
     managed = vllm_engine(str(tiny_qwen3_dir), config, qwen3_tokenizer, log_dir=logs)
-    yield managed.servers[0].url
+    yield managed
     asyncio.run(managed.close())
+
+
+@pytest.fixture(scope="module")
+def qwen3_url(qwen3_server: Any) -> str:
+    return str(qwen3_server.servers[0].url)
+
+
+def bound_cores(log_path: Path) -> list[int]:
+    """The cores a vLLM CPU server computes on, as its log reports them."""
+    found = re.search(r"core ids=\[([\d, ]*)\]", Path(log_path).read_text())
+    assert found, f"no core binding in {log_path}"
+    return [int(c) for c in found.group(1).split(",")]
+
+
+def test_managed_cpu_servers_compute_on_all_the_cores_split_between_them(
+    servers: Any, qwen3_server: Any
+) -> None:
+    """One server computes on every core this process may use (vLLM alone would keep one for its
+    scheduler: on 2 cores, half the speed); two share them, no core twice."""
+    cores = sorted(os.sched_getaffinity(0))
+    assert bound_cores(qwen3_server.servers[0].log_path) == cores
+    split = [bound_cores(s.log_path) for s in servers.servers]
+    if len(cores) >= 2:
+        assert sorted(c for bound in split for c in bound) == cores
+    else:
+        assert split == [cores, cores]
 
 
 def _qwen3_run(
