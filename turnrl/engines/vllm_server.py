@@ -170,7 +170,11 @@ def servers_for(model_dir: Path, count: int, log_dir: Path | None, **kwargs: Any
 def core_binds(count: int) -> list[str]:
     """This process's cores split into ``count`` runs, one per server (``"0,1"``, ``"2,3"``; a
     core each, round the cores, when there are more servers than cores)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    cores = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
     if count >= len(cores):
         return [str(cores[k % len(cores)]) for k in range(count)]
     size, extra = divmod(len(cores), count)
