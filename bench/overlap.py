@@ -22,7 +22,8 @@ web call or a simulated user does: time in which a synchronous step's cores sit 
 
 ``--engine vllm`` rolls out on a vLLM server turnrl starts for each run (after
 ``scripts/install_vllm.sh``) instead of the embedded engine: generation then runs in the server's
-process (its CPU build computes on one core) while the trainer computes in this one.
+process (on every core, as turnrl binds it; ``VLLM_CPU_OMP_THREADS_BIND=auto`` gives vLLM's own
+binding, one core of two here) while the trainer computes in this one.
 ``--set KEY=VALUE`` (repeatable) changes the workload for both modes, e.g. ``--set
 train.prompts_per_step=12`` doubles the groups of a step; ``--overlap-set KEY=VALUE`` changes the
 overlapped mode only, e.g. ``--overlap-set train.max_inflight_groups=12``; ``--variant KEY=VALUE``

@@ -10,7 +10,7 @@ with the same prompts, per-request seeds and observations on every side.
 - ``turnrl/vllm``: the full rollout path (env, delta encoding, sanity check) on turnrl's
   streaming vLLM client;
 - ``turnrl/hf``: the same rollout on the embedded engine (both engines float32 on this CPU;
-  vLLM's CPU build runs its model on one core and keeps the other for its scheduler).
+  vLLM's CPU build computes on every core, as turnrl starts it).
 
 Every side must produce the same number of tokens (seeded requests); the script checks it.
 
