@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -175,12 +176,8 @@ def core_binds(count: int) -> list[str]:
         if hasattr(os, "sched_getaffinity")
         else list(range(os.cpu_count() or 1))
     )
-    if count >= len(cores):
-        return [str(cores[k % len(cores)]) for k in range(count)]
-    size, extra = divmod(len(cores), count)
-    binds, start = [], 0
-    for k in range(count):
-        end = start + size + (k < extra)
-        binds.append(",".join(str(c) for c in cores[start:end]))
-        start = end
-    return binds
+    n = len(cores)
+    if count > n:
+        return [str(cores[k % n]) for k in range(count)]
+    bounds = [-(-k * n // count) for k in range(count + 1)]  # the first runs take the spare cores
+    return [",".join(str(c) for c in cores[a:b]) for a, b in pairwise(bounds)]
