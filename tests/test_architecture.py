@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"rollout"},
     {"rewards"},
     {"chat", "engines", "env", "tools"},
-    {"vision", "imports", "cache"},
+    {"vision", "imports", "cache", "openmp"},
     {"types"},
 ]
 UPPER = {

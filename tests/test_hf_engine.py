@@ -16,7 +16,7 @@ from reference import chat_prompt
 from turnrl.app import hf_engine
 from turnrl.engines import HFEngine
 from turnrl.engines.hf import sample_token
-from turnrl.engines.hf.sampling import sample_tokens
+from turnrl.engines.hf.sampling import _draw_rows, sample_tokens
 from turnrl.models import load_model, load_tokenizer
 from turnrl.testing import until
 from turnrl.types import Engine, EngineError, SamplingParams
@@ -92,6 +92,43 @@ def test_sample_token_frequencies_follow_the_filtered_distribution() -> None:
     torch.testing.assert_close(counts, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.03, rtol=0)
     first_logprobs = {round(lp, 5) for t, lp in draws if t == 0}
     assert first_logprobs == {round(float(torch.log(torch.tensor(0.5))), 5)}  # full vocab, not renormalized
+
+
+def test_two_level_draws_are_the_full_inverse_cdf() -> None:
+    """The block-then-token search picks what one float64 cumulative sum over the whole vocabulary
+    picks for the same uniform number (the float32 weights given), on vocabularies that end in a
+    partial block, and never a token of zero weight."""
+    for vocab in (7, 256, 1000, 49_153):
+        logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+        logits[:, ::3] = float("-inf")  # tokens no draw may pick
+        for trial in range(30):
+            generators = [torch.Generator().manual_seed(1000 * trial + b) for b in range(6)]
+            weights = torch.exp(logits - logits.max(-1, keepdim=True).values).double()
+            cdf = torch.cumsum(weights, -1)
+            u = torch.stack(
+                [
+                    torch.rand(
+                        (), generator=torch.Generator().manual_seed(1000 * trial + b), dtype=torch.float64
+                    )
+                    for b in range(6)
+                ]
+            )
+            expected = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+            drawn = _draw_rows(logits, generators)
+            assert drawn == expected.tolist()
+            assert all(int(t) % 3 for t in drawn)
+
+
+def test_two_level_draw_frequencies_follow_the_distribution() -> None:
+    """Sampled at temperature 1 over 1000 tokens whose mass lies in several blocks (the last one
+    partial), each token's frequency matches its probability."""
+    probs = torch.zeros(1000, dtype=torch.float64)
+    probs[[3, 255, 256, 511, 700, 999]] = torch.tensor([0.1, 0.25, 0.05, 0.3, 0.2, 0.1], dtype=torch.float64)
+    logits = torch.log(probs).float()
+    generator = torch.Generator().manual_seed(7)
+    draws = [sample_token(logits, SamplingParams(temperature=1.0), generator)[0] for _ in range(6000)]
+    freqs = torch.bincount(torch.tensor(draws), minlength=1000).double() / len(draws)
+    torch.testing.assert_close(freqs, probs, atol=0.02, rtol=0)
 
 
 def test_sample_tokens_draws_each_row_as_if_alone() -> None:

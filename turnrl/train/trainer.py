@@ -42,6 +42,7 @@ from turnrl.engines.hf import HFEngine
 from turnrl.engines.vllm import save_weights, scratch_weights_dir
 from turnrl.env.registry import resolve_env
 from turnrl.models import ModelSpec, load_model, load_tokenizer, load_vision_processor, resolve_model
+from turnrl.openmp import release_pool
 from turnrl.rollout.collector import OnDone, collect
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.loop import RolloutSpec
@@ -366,8 +367,11 @@ async def learn(
 
 
 def _update(run: Run, batches: list[Batch], tokens: int) -> dict[str, float]:
-    prepared = _prepare(run, batches) if batches or run.sharded is not None else {}
-    return prepared | update_policy(run, batches, tokens)
+    try:
+        prepared = _prepare(run, batches) if batches or run.sharded is not None else {}
+        return prepared | update_policy(run, batches, tokens)
+    finally:
+        release_pool()  # the update's thread hands the cores back to the engine (``turnrl.openmp``)
 
 
 @dataclass

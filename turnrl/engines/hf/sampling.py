@@ -11,6 +11,7 @@ import torch
 from turnrl.types import SamplingParams
 
 _TOP_P_SHORTLIST = 1024  # top-p first looks for the nucleus among this many most likely tokens
+_BLOCK = 256  # tokens per block of the two-level inverse CDF
 
 
 def _nucleus(values_K: torch.Tensor, top_p: float) -> int:
@@ -32,13 +33,24 @@ def _candidates(logprobs_V: torch.Tensor, top_k: int, top_p: float) -> tuple[tor
 
 
 def _draw_rows(logprobs_B_V: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
-    """Per row, the index of a sample from unnormalized log-probabilities (inverse CDF in float64,
-    one uniform number from each row's generator)."""
-    x_B_V = logprobs_B_V.double()
-    cdf_B_V = torch.cumsum(torch.exp(x_B_V - x_B_V.max(-1, keepdim=True).values), -1)
+    """Per row, the index of a sample from unnormalized log-probabilities: the inverse CDF of one
+    uniform number from each row's generator.
+
+    The weights are ``exp`` in float32 (relative error ~1e-7 each); their running sum is in float64,
+    two-level so as not to run float64 math over the whole vocabulary (14 of 16 ms of a decode
+    step's sampling at batch 32 over 49k tokens): the sums of blocks of ``_BLOCK`` tokens find the
+    block, a cumulative sum inside that block finds the token."""
+    w_B_V = torch.exp(logprobs_B_V - logprobs_B_V.max(-1, keepdim=True).values)
+    rows, vocab = w_B_V.shape
+    blocks_B_N_K = torch.nn.functional.pad(w_B_V, (0, -vocab % _BLOCK)).view(rows, -1, _BLOCK)
+    cdf_B_N = torch.cumsum(blocks_B_N_K.sum(-1, dtype=torch.float64), -1)
     u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    picked_B = torch.searchsorted(cdf_B_V, (u_B * cdf_B_V[:, -1])[:, None], right=True)[:, 0]
-    return picked_B.clamp_(max=cdf_B_V.shape[-1] - 1).tolist()
+    target_B1 = (u_B * cdf_B_N[:, -1])[:, None]
+    block_B = torch.searchsorted(cdf_B_N, target_B1, right=True)[:, 0].clamp_(max=cdf_B_N.shape[1] - 1)
+    before_B1 = torch.where(block_B > 0, cdf_B_N.gather(1, (block_B - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner_B_K = torch.cumsum(blocks_B_N_K[torch.arange(rows), block_B].double(), -1) + before_B1[:, None]
+    within_B = torch.searchsorted(inner_B_K, target_B1, right=True)[:, 0]
+    return (block_B * _BLOCK + within_B).clamp_(max=vocab - 1).tolist()
 
 
 def sample_tokens(

@@ -23,6 +23,7 @@ from turnrl.engines.hf.positions import image_kwargs
 from turnrl.engines.hf.prefix_cache import PrefixCache
 from turnrl.engines.hf.requests import Request, WeightUpdate, resolve
 from turnrl.engines.hf.sampling import sample_tokens
+from turnrl.openmp import release_pool
 from turnrl.types import EngineError, FinishReason
 from turnrl.vision.processor import VisionProcessor
 
@@ -130,6 +131,7 @@ class Scheduler:
         """Wait for something to do; take queued requests that fit. None when closing."""
         with self._cond:
             while not (self._closing or self._aborting or self._pending or self._updates or running):
+                release_pool()  # idle: the cores go to whichever thread computes next, unthrottled
                 self._cond.wait()
             if self._aborting:
                 return [], []
