@@ -33,24 +33,29 @@ def _candidates(logprobs_V: torch.Tensor, top_k: int, top_p: float) -> tuple[tor
 
 
 def _draw_rows(logprobs_B_V: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
-    """Per row, the index of a sample from unnormalized log-probabilities: the inverse CDF of one
+    """Per row, the index of a sample from log-probabilities (normalized over the vocabulary, so
+    the largest is at least -log V: ``exp`` cannot underflow them all): the inverse CDF of one
     uniform number from each row's generator.
 
     The weights are ``exp`` in float32 (relative error ~1e-7 each); their running sum is in float64,
     two-level so as not to run float64 math over the whole vocabulary (14 of 16 ms of a decode
     step's sampling at batch 32 over 49k tokens): the sums of blocks of ``_BLOCK`` tokens find the
     block, a cumulative sum inside that block finds the token."""
-    w_B_V = torch.exp(logprobs_B_V - logprobs_B_V.max(-1, keepdim=True).values)
+    w_B_V = torch.exp(logprobs_B_V)
     rows, vocab = w_B_V.shape
-    blocks_B_N_K = torch.nn.functional.pad(w_B_V, (0, -vocab % _BLOCK)).view(rows, -1, _BLOCK)
-    cdf_B_N = torch.cumsum(blocks_B_N_K.sum(-1, dtype=torch.float64), -1)
+    full = vocab - vocab % _BLOCK
+    sums_B_N = w_B_V[:, :full].reshape(rows, -1, _BLOCK).sum(-1, dtype=torch.float64)
+    if full < vocab:  # the last, partial block
+        sums_B_N = torch.cat([sums_B_N, w_B_V[:, full:].sum(-1, dtype=torch.float64)[:, None]], 1)
+    cdf_B_N = torch.cumsum(sums_B_N, -1)
     u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     target_B1 = (u_B * cdf_B_N[:, -1])[:, None]
-    block_B = torch.searchsorted(cdf_B_N, target_B1, right=True)[:, 0].clamp_(max=cdf_B_N.shape[1] - 1)
-    before_B1 = torch.where(block_B > 0, cdf_B_N.gather(1, (block_B - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    inner_B_K = torch.cumsum(blocks_B_N_K[torch.arange(rows), block_B].double(), -1) + before_B1[:, None]
-    within_B = torch.searchsorted(inner_B_K, target_B1, right=True)[:, 0]
-    return (block_B * _BLOCK + within_B).clamp_(max=vocab - 1).tolist()
+    block_B1 = torch.searchsorted(cdf_B_N, target_B1, right=True).clamp_(max=cdf_B_N.shape[1] - 1)
+    before_B1 = torch.where(block_B1 > 0, cdf_B_N.gather(1, (block_B1 - 1).clamp(min=0)), 0.0)
+    ids_B_K = block_B1 * _BLOCK + torch.arange(_BLOCK)
+    inside_B_K = w_B_V.gather(1, ids_B_K.clamp(max=vocab - 1)).double().masked_fill_(ids_B_K >= vocab, 0.0)
+    within_B1 = torch.searchsorted(torch.cumsum(inside_B_K, -1) + before_B1, target_B1, right=True)
+    return (block_B1 * _BLOCK + within_B1)[:, 0].clamp_(max=vocab - 1).tolist()
 
 
 def sample_tokens(
@@ -62,8 +67,10 @@ def sample_tokens(
     A row's token depends only on its logits and generator, never on the other rows."""
     logits_B_V = logits_B_V.float()
     temps = [s.temperature if s.temperature > 0 else 1.0 for s in samplings]
-    temps_B = torch.tensor(temps, dtype=logits_B_V.dtype, device=logits_B_V.device)
-    logprobs_B_V = torch.log_softmax(logits_B_V / temps_B[:, None], -1)
+    if any(t != 1.0 for t in temps):
+        temps_B = torch.tensor(temps, dtype=logits_B_V.dtype, device=logits_B_V.device)
+        logits_B_V = logits_B_V / temps_B[:, None]
+    logprobs_B_V = torch.log_softmax(logits_B_V, -1)
     tokens = [0] * len(samplings)
     plain = []
     for b, s in enumerate(samplings):
@@ -75,7 +82,8 @@ def sample_tokens(
             values, ids = _candidates(logprobs_B_V[b], s.top_k, s.top_p)
             tokens[b] = int(ids[_draw_rows(values[None], [generators[b]])[0]])
     if plain:
-        drawn = _draw_rows(logprobs_B_V[plain], [generators[b] for b in plain])
+        rows_B_V = logprobs_B_V if len(plain) == len(tokens) else logprobs_B_V[plain]  # no 6 MB copy
+        drawn = _draw_rows(rows_B_V, [generators[b] for b in plain])
         for b, token in zip(plain, drawn, strict=True):
             tokens[b] = token
     rows = torch.arange(len(tokens), device=logits_B_V.device)
