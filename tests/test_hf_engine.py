@@ -451,3 +451,53 @@ async def test_weight_updates_drop_kept_kv(tiny_qwen3_dir: Path) -> None:
         assert engine.prefix_stats["hits"] == 2  # another session's KV is not used
     finally:
         await engine.close()
+
+
+async def test_prompts_prefilled_together_match_each_alone(tiny_qwen3_dir: Path) -> None:
+    """Second turns of sessions with kept KV of different lengths, and fresh prompts, arrive at
+    once and are prefilled in one padded forward pass (kept KV and new tokens padded apart): each
+    gets the greedy tokens and logprobs it gets alone, without kept KV."""
+    model = load_model(str(tiny_qwen3_dir))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    firsts = [list(range(100 + 13 * i, 110 + 19 * i)) for i in range(4)]
+    shapes: list[tuple[int, ...]] = []
+    forward = model.forward
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    async with HFEngine(model, seed=0) as engine:
+        turns = [await engine.generate(p, greedy, session=f"s{i}") for i, p in enumerate(firsts)]
+        seconds = [
+            [*p, *t.token_ids, *range(500, 503 + 4 * i)]
+            for i, (p, t) in enumerate(zip(firsts, turns, strict=True))
+        ]
+        fresh = [list(range(700, 709)), list(range(800, 831))]
+        model.forward = recording  # type: ignore[method-assign]
+        together = await asyncio.gather(
+            *(engine.generate(p, greedy, session=f"s{i}") for i, p in enumerate(seconds)),
+            *(engine.generate(p, greedy) for p in fresh),
+        )
+        model.forward = forward  # type: ignore[method-assign]
+        assert engine.prefix_stats["hits"] == 4
+    assert max(rows for rows, _ in shapes) >= 4  # prefilled together, not one by one
+    async with HFEngine(load_model(str(tiny_qwen3_dir)), prefix_cache_tokens=0) as plain:
+        alone = [await plain.generate(p, greedy) for p in [*seconds, *fresh]]
+    for a, b in zip(together, alone, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def test_prefill_groups_keep_their_padded_size_within_the_budget() -> None:
+    """Rows are grouped shortest first while rows x padded width fits the budget; a row longer than
+    the budget goes alone."""
+    from turnrl.engines.hf.prefill import Row, chunks
+    from turnrl.engines.hf.requests import Request
+
+    def row(n: int) -> Row:
+        request = Request(list(range(n)), GREEDY, frozenset(), 4, torch.Generator(), None, None)  # type: ignore[arg-type]
+        return Row(request, [])
+
+    groups = chunks([row(n) for n in (50, 10, 30, 20, 300, 40)], 100)
+    assert [[len(r.request.prompt_ids) for r in g] for g in groups] == [[10, 20, 30], [40, 50], [300]]

@@ -12,13 +12,13 @@ from turnrl.engines.hf.requests import Request
 
 _SPARE_COLUMNS = 64  # free KV columns kept after a rebuild, so decode steps rarely reallocate
 
+KV = tuple[torch.Tensor, torch.Tensor]  # one row's keys and values in one layer, [heads, len, dim]
 
-class _GrowingLayer(DynamicLayer):
+
+class GrowingLayer(DynamicLayer):
     """A full-attention cache layer that appends into spare room instead of concatenating."""
 
-    def __init__(
-        self, rows: Sequence[tuple[torch.Tensor, torch.Tensor]], spare: int = _SPARE_COLUMNS
-    ) -> None:
+    def __init__(self, rows: Sequence[KV], spare: int = _SPARE_COLUMNS) -> None:
         """Stack per-row ``(keys, values)`` of shape ``[heads, len, dim]``, right-aligned (left-padded)."""
         super().__init__()
         length = max(k.shape[-2] for k, _ in rows)
@@ -72,7 +72,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def _rows(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _rows(self, layer: int) -> list[KV]:
         """Every row's unpadded keys and values for one layer."""
         return [self.row(layer, b) for b in range(len(self.lengths))] if self.cache is not None else []
 
@@ -81,24 +81,25 @@ class Batch:
         """Layers of the cache (0 when empty)."""
         return len(self.cache.layers) if self.cache is not None else 0
 
-    def row(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def row(self, layer: int, b: int) -> KV:
         """Row ``b``'s unpadded keys and values for one layer."""
         assert self.cache is not None
         keys, values = layer_kv(self.cache, layer)
         n, width = self.lengths[b], keys.shape[-2]
         return keys[b, :, width - n :], values[b, :, width - n :]
 
-    def rebuild(self, keep: list[bool], new: list[tuple[Request, Cache]]) -> None:
-        """Drop rows where ``keep`` is False, append prefilled requests, and re-pad the cache."""
+    def rebuild(self, keep: list[bool], new: list[tuple[Request, list[KV]]]) -> None:
+        """Drop rows where ``keep`` is False, append prefilled requests (with their KV per layer),
+        and re-pad the cache."""
         requests = [r for r, kept in zip(self.requests, keep, strict=True) if kept] + [r for r, _ in new]
         if not requests:
             self.requests, self.lengths, self.deltas, self.cache = [], [], [], None
             return
-        num_layers = len(self.cache.layers) if self.cache is not None else len(new[0][1].layers)
+        num_layers = len(self.cache.layers) if self.cache is not None else len(new[0][1])
         layers: list[Any] = []
         for layer in range(num_layers):
             old = [row for row, kept in zip(self._rows(layer), keep, strict=True) if kept]
-            layers.append(_GrowingLayer(old + [first_row(cache, layer) for _, cache in new]))
+            layers.append(GrowingLayer(old + [rows[layer] for _, rows in new]))
         self.lengths = [n for n, kept in zip(self.lengths, keep, strict=True) if kept]
         self.lengths += [len(r.prompt_ids) for r, _ in new]
         self.deltas = [r.rope_delta for r in requests]
@@ -129,7 +130,7 @@ def layer_kv(cache: Cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache_layer.keys, cache_layer.values
 
 
-def first_row(cache: Cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def first_row(cache: Cache, layer: int) -> KV:
     """The keys and values of a single-row cache, without the batch axis."""
     keys, values = layer_kv(cache, layer)
     return keys[0], values[0]

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-from transformers.cache_utils import Cache
-
+from turnrl.engines.hf.kv import KV
 from turnrl.engines.hf.requests import Request
 
 
@@ -16,7 +14,7 @@ class _SessionKV:
     """The KV cache a finished generation leaves: its tokens and, per layer, keys and values."""
 
     tokens: list[int]  # prompt + sampled tokens but the last (whose KV was never computed)
-    rows: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [heads, len(tokens), dim]
+    rows: list[KV]  # per layer: [heads, len(tokens), dim]
 
 
 class PrefixCache:
@@ -33,27 +31,26 @@ class PrefixCache:
         self._tokens = 0
         self.stats = {"hits": 0, "reused_tokens": 0, "prefilled_tokens": 0}
 
-    def reuse(self, request: Request, cache: Cache) -> int:
-        """Seed ``cache`` with the session's kept KV when the prompt extends its tokens; how many.
-        The session's entry is taken out either way (the request's own KV replaces it)."""
+    def take(self, request: Request) -> list[KV]:
+        """The session's kept KV (per layer, ``[heads, len, dim]``) when the prompt extends its
+        tokens, else none. The session's entry is taken out either way (the request's own KV
+        replaces it)."""
         saved = self._sessions.pop(request.session, None) if request.session is not None else None
         if saved is None:
-            return 0
+            return []
         self._tokens -= len(saved.tokens)
         n = len(saved.tokens)
         if request.images or n >= len(request.prompt_ids) or request.prompt_ids[:n] != saved.tokens:
-            return 0
-        for layer, (keys, values) in enumerate(saved.rows):
-            cache.update(keys[None], values[None], layer)
+            return []
         self.stats["hits"] += 1
         self.stats["reused_tokens"] += n
-        return n
+        return saved.rows
 
     def keeps(self, request: Request) -> bool:
         """Whether a finished request's KV is kept for its session's next turn (text-only ones)."""
         return request.session is not None and not request.images and self.max_tokens > 0
 
-    def remember(self, request: Request, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def remember(self, request: Request, rows: list[KV]) -> None:
         """Keep a finished request's KV (per layer, unpadded) for its session's next turn."""
         assert request.session is not None
         tokens = request.prompt_ids + request.token_ids[:-1]

@@ -1,9 +1,9 @@
 """The worker thread that owns the model: continuous batching of generation requests.
 
-Each iteration it (1) applies pending weight updates, (2) prefills newly arrived requests one
-by one (no padding, so a prompt's cache is the same as when run alone; after its session's kept
-KV when the prompt extends it), (3) merges them into the running batch, whose KV caches are
-left-padded to a common length, and (4) runs one decode step for every running row. Requests
+Each iteration it (1) applies pending weight updates, (2) prefills newly arrived requests, text
+prompts together in padded groups (``prefill``; each after its session's kept KV when the prompt
+extends it), prompts with images one by one, (3) merges them into the running batch, whose KV
+caches are left-padded to a common length, and (4) runs one decode step for every running row. Requests
 join and leave between steps; asyncio callers only wait on futures, so their loop stays free.
 """
 
@@ -15,11 +15,12 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import DynamicCache
 
-from turnrl.engines.hf.kv import Batch, first_row
+from turnrl.engines.hf.kv import KV, Batch, first_row
 from turnrl.engines.hf.packed import PackedLinears, serve_packed
 from turnrl.engines.hf.positions import image_kwargs
+from turnrl.engines.hf.prefill import Row, chunks, inputs, row_kv
 from turnrl.engines.hf.prefix_cache import PrefixCache
 from turnrl.engines.hf.requests import Request, WeightUpdate, resolve
 from turnrl.engines.hf.sampling import sample_tokens
@@ -163,37 +164,52 @@ class Scheduler:
 
     def _step(self, batch: Batch, new: list[Request]) -> None:
         """Prefill the new requests, merge them in, then decode one token for every row."""
-        prefilled = [(r, cache) for r in new if not r.cancelled and (cache := self._prefill(r)) is not None]
+        live = [r for r in new if not r.cancelled]
+        prefilled = [p for r in live if r.images and (p := self._prefill_alone(r)) is not None]
+        prefilled += self._prefill_together([r for r in live if not r.images])
         keep = [not r.cancelled for r in batch.requests]
         if prefilled or not all(keep):
             batch.rebuild(keep, prefilled)
         if len(batch):
             self._decode(batch)
 
-    def _prefill(self, request: Request) -> Cache | None:
-        """Run the prompt alone (after its session's kept KV, when the prompt extends it), sample
-        its first token; its cache, or None when it already finished."""
+    def _prefill_together(self, requests: list[Request]) -> list[tuple[Request, list[KV]]]:
+        """Prefill text prompts in padded groups (``prefill``), each after its session's kept KV,
+        and sample their first tokens; those that go on, with their KV."""
+        rows = [Row(r, self.prefix_cache.take(r)) for r in requests]
+        going: list[tuple[Request, list[KV]]] = []
+        for group in chunks(rows, self._max_prefill_tokens):
+            kwargs, cache = inputs(group, self.model.device)
+            cache = cache if cache is not None else DynamicCache(config=self.model.config)
+            kwargs[self._cache_arg] = cache
+            logits = self.model(**kwargs, use_cache=True, logits_to_keep=1).logits[:, -1]
+            self.prefix_cache.stats["prefilled_tokens"] += sum(len(r.new) for r in group)
+            reasons = self._sample([r.request for r in group], logits)
+            for b, (row, reason) in enumerate(zip(group, reasons, strict=True)):
+                kv = row_kv(cache, group, b)
+                if reason is None:
+                    going.append((row.request, kv))
+                else:
+                    self._finish(row.request, reason, kv)
+        return going
+
+    def _prefill_alone(self, request: Request) -> tuple[Request, list[KV]] | None:
+        """Run a prompt with images alone and sample its first token; it with its KV, or None when
+        it already finished."""
+        assert self._vision is not None
+        self.prefix_cache.take(request)  # a turn with images replaces its session's kept KV
         cache = DynamicCache(config=self.model.config)
-        start = self.prefix_cache.reuse(request, cache)
-        ids = torch.tensor([request.prompt_ids[start:]], device=self.model.device)
-        extra: dict[str, Any] = {}
-        if request.images:
-            assert self._vision is not None
-            extra = image_kwargs(self.model, self._vision, request, ids)
-        if start:
-            extra["position_ids"] = torch.arange(start, len(request.prompt_ids), device=ids.device)[None]
+        ids = torch.tensor([request.prompt_ids], device=self.model.device)
+        extra: dict[str, Any] = image_kwargs(self.model, self._vision, request, ids)
         extra[self._cache_arg] = cache
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **extra)
         self.prefix_cache.stats["prefilled_tokens"] += ids.shape[1]
         (reason,) = self._sample([request], out.logits[:, -1])
+        kv = [first_row(cache, layer) for layer in range(len(cache.layers))]
         if reason is not None:
-            request.finish(reason)
-            if self.prefix_cache.keeps(request):
-                self.prefix_cache.remember(
-                    request, [first_row(cache, layer) for layer in range(len(cache.layers))]
-                )
+            self._finish(request, reason, kv)
             return None
-        return cache
+        return request, kv
 
     def _decode(self, batch: Batch) -> None:
         """One forward step for every row; finished rows leave the batch."""
@@ -205,14 +221,16 @@ class Scheduler:
         keep = []
         for row, (request, reason) in enumerate(zip(batch.requests, reasons, strict=True)):
             if reason is not None:
-                request.finish(reason)
-                if self.prefix_cache.keeps(request):
-                    self.prefix_cache.remember(
-                        request, [batch.row(layer, row) for layer in range(batch.num_layers)]
-                    )
+                self._finish(request, reason, [batch.row(layer, row) for layer in range(batch.num_layers)])
             keep.append(reason is None and not request.cancelled)
         if not all(keep):
             batch.rebuild(keep, [])
+
+    def _finish(self, request: Request, reason: FinishReason, kv: list[KV]) -> None:
+        """Hand a finished generation over; keep its KV for its session's next turn."""
+        request.finish(reason)
+        if self.prefix_cache.keeps(request):
+            self.prefix_cache.remember(request, kv)
 
     def _sample(self, requests: list[Request], logits_B_V: torch.Tensor) -> list[FinishReason | None]:
         """Sample every request's next token; per request, the finish reason if it ends the generation."""
