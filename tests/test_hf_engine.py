@@ -460,12 +460,8 @@ async def test_prompts_prefilled_together_match_each_alone(tiny_qwen3_dir: Path)
     model = load_model(str(tiny_qwen3_dir))
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     firsts = [list(range(100 + 13 * i, 110 + 19 * i)) for i in range(4)]
-    shapes: list[tuple[int, ...]] = []
-    forward = model.forward
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        shapes.append(tuple(kwargs["input_ids"].shape))
-        return forward(*args, **kwargs)
+    shapes: list[tuple[int, ...]] = []  # of the token ids of each forward pass (the embedding's input)
+    model.model.embed_tokens.register_forward_hook(lambda _m, args, _out: shapes.append(tuple(args[0].shape)))
 
     async with HFEngine(model, seed=0) as engine:
         turns = [await engine.generate(p, greedy, session=f"s{i}") for i, p in enumerate(firsts)]
@@ -474,14 +470,13 @@ async def test_prompts_prefilled_together_match_each_alone(tiny_qwen3_dir: Path)
             for i, (p, t) in enumerate(zip(firsts, turns, strict=True))
         ]
         fresh = [list(range(700, 709)), list(range(800, 831))]
-        model.forward = recording  # type: ignore[method-assign]
+        shapes.clear()
         together = await asyncio.gather(
             *(engine.generate(p, greedy, session=f"s{i}") for i, p in enumerate(seconds)),
             *(engine.generate(p, greedy) for p in fresh),
         )
-        model.forward = forward  # type: ignore[method-assign]
         assert engine.prefix_stats["hits"] == 4
-    assert max(rows for rows, _ in shapes) >= 4  # prefilled together, not one by one
+    assert max(rows for rows, steps in shapes if steps > 1) >= 4  # prefilled together, not one by one
     async with HFEngine(load_model(str(tiny_qwen3_dir)), prefix_cache_tokens=0) as plain:
         alone = [await plain.generate(p, greedy) for p in [*seconds, *fresh]]
     for a, b in zip(together, alone, strict=True):
@@ -501,3 +496,54 @@ def test_prefill_groups_keep_their_padded_size_within_the_budget() -> None:
 
     groups = chunks([row(n) for n in (50, 10, 30, 20, 300, 40)], 100)
     assert [[len(r.request.prompt_ids) for r in g] for g in groups] == [[10, 20, 30], [40, 50], [300]]
+
+
+FAMILIES = {
+    "llama": {"attention_bias": True, "mlp_bias": True},  # biases on every product
+    "mistral": {"sliding_window": None},
+    "qwen2": {},  # query, key and value biases
+    "qwen3": {},  # query and key norms
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_fused_forward_serves_the_modeling_codes_tokens(family: str) -> None:
+    """On every family the engine's own forward serves (random tiny models of the real modeling
+    code), fused and packed serving gives the modeling code's greedy tokens and logprobs: prompts
+    of different lengths prefilled together, decoded together, and a second turn on kept KV."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from turnrl.engines.hf.fused import fusable
+
+    config = AutoConfig.for_model(
+        family, vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        **FAMILIES[family],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(std=0.5)  # initialized to zero, which would not test them
+    assert fusable(model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    prompts = [list(range(5 + i, 20 + 7 * i)) for i in range(5)]
+    results = {}
+    for packed in (True, False):
+        async with HFEngine(model, eos_token_ids=[], packed_weights=packed) as engine:
+            assert (engine._scheduler.fused is not None) == packed
+            firsts = await asyncio.gather(
+                *(engine.generate(p, greedy, session=str(i)) for i, p in enumerate(prompts))
+            )
+            follow = [[*p, *g.token_ids, 300, 301] for p, g in zip(prompts, firsts, strict=True)]
+            seconds = await asyncio.gather(
+                *(engine.generate(p, greedy, session=str(i)) for i, p in enumerate(follow))
+            )
+            assert engine.prefix_stats["hits"] == len(prompts)
+        results[packed] = [*firsts, *seconds]
+    for fused, plain in zip(results[True], results[False], strict=True):
+        assert fused.token_ids == plain.token_ids
+        torch.testing.assert_close(
+            torch.tensor(fused.logprobs), torch.tensor(plain.logprobs), atol=1e-4, rtol=0
+        )

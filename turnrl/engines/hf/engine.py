@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from turnrl.engines.hf.fused import FusedForward, fusable
 from turnrl.engines.hf.packed import PackedLinears, packing_available
 from turnrl.engines.hf.prefix_cache import PrefixCache
 from turnrl.engines.hf.requests import Request, WeightUpdate
@@ -89,6 +90,7 @@ class HFEngine:
         elif packed_weights and not packing_available(model):
             raise EngineError("packed_weights needs a float32 or bfloat16 model on CPU and torch with oneDNN")
         packed = PackedLinears(model) if packed_weights else None
+        fused = FusedForward(model) if packed_weights and vision is None and fusable(model) else None
         self._tokenizer = tokenizer
         self._eos_ids = (
             frozenset(_ids(eos_token_ids))
@@ -112,6 +114,7 @@ class HFEngine:
             vision=vision,
             prefix_cache=self._prefix_cache,
             packed=packed,
+            fused=fused,
         )
 
     @property
@@ -220,6 +223,8 @@ class HFEngine:
         await asyncio.to_thread(self._scheduler.close)
         if self._scheduler.packed is not None:
             self._scheduler.packed.repack()
+        if self._scheduler.fused is not None:
+            self._scheduler.fused.repack()
 
     def _make_request(
         self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Any]

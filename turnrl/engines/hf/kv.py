@@ -42,7 +42,7 @@ class GrowingLayer(DynamicLayer):
         for name in ("_keys_buf", "_values_buf"):
             old = getattr(self, name)
             shape = (*old.shape[:2], max(needed, 2 * old.shape[2]), old.shape[3])
-            new = old.new_zeros(shape)
+            new = old.new_empty(shape)  # columns past the length are written before they are read
             new[:, :, : self._length] = old[:, :, : self._length]
             setattr(self, name, new)
 

@@ -15,8 +15,9 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 
+from turnrl.engines.hf.fused import FusedForward
 from turnrl.engines.hf.kv import KV, Batch, first_row
 from turnrl.engines.hf.packed import PackedLinears, serve_packed
 from turnrl.engines.hf.positions import image_kwargs
@@ -45,9 +46,11 @@ class Scheduler:
         vision: VisionProcessor | None,
         prefix_cache: PrefixCache,
         packed: PackedLinears | None = None,
+        fused: FusedForward | None = None,
     ) -> None:
         self.model = model
         self.packed = packed  # the model's linear layers on packed weights, repacked after updates
+        self.fused = fused  # the engine's own forward for text (``fused``), repacked after updates
         self.version = 0  # weight updates applied
         self.tokens_sampled = 0  # tokens sampled since start, over every request
         self.prefix_cache = prefix_cache
@@ -156,6 +159,8 @@ class Scheduler:
                 self.model.load_state_dict(dict(update.state_dict), strict=update.strict)
                 if self.packed is not None:
                     self.packed.repack()
+                if self.fused is not None:
+                    self.fused.repack()
             self.prefix_cache.clear()  # its KV was computed with the old weights
             self.version = self.version + 1 if update.version is None else update.version
             resolve(update.loop, update.future, self.version)
@@ -181,8 +186,7 @@ class Scheduler:
         for group in chunks(rows, self._max_prefill_tokens):
             kwargs, cache = inputs(group, self.model.device)
             cache = cache if cache is not None else DynamicCache(config=self.model.config)
-            kwargs[self._cache_arg] = cache
-            logits = self.model(**kwargs, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = self._logits(kwargs, cache)
             self.prefix_cache.stats["prefilled_tokens"] += sum(len(r.new) for r in group)
             reasons = self._sample([r.request for r in group], logits)
             for b, (row, reason) in enumerate(zip(group, reasons, strict=True)):
@@ -213,11 +217,10 @@ class Scheduler:
 
     def _decode(self, batch: Batch) -> None:
         """One forward step for every row; finished rows leave the batch."""
-        inputs = batch.step_inputs(self.model.device)
-        cache = {self._cache_arg: batch.cache}
-        out = self.model(**inputs, **cache, use_cache=True, logits_to_keep=1)
+        assert batch.cache is not None
+        logits = self._logits(batch.step_inputs(self.model.device), batch.cache)
         batch.lengths = [n + 1 for n in batch.lengths]
-        reasons = self._sample(batch.requests, out.logits[:, -1])
+        reasons = self._sample(batch.requests, logits)
         keep = []
         for row, (request, reason) in enumerate(zip(batch.requests, reasons, strict=True)):
             if reason is not None:
@@ -225,6 +228,13 @@ class Scheduler:
             keep.append(reason is None and not request.cancelled)
         if not all(keep):
             batch.rebuild(keep, [])
+
+    def _logits(self, inputs: dict[str, Any], cache: Cache) -> torch.Tensor:
+        """The last position's logits ``[B, V]`` of a text forward pass after ``cache`` (appended to)."""
+        if self.fused is not None:
+            return self.fused(inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], cache)
+        out = self.model(**inputs, **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
 
     def _finish(self, request: Request, reason: FinishReason, kv: list[KV]) -> None:
         """Hand a finished generation over; keep its KV for its session's next turn."""
