@@ -43,6 +43,7 @@ from turnrl.data import to_samples
 from turnrl.env.base import EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.integrations.prompt_index import ID_FIELD, PromptIndex, tag_prompt
+from turnrl.openmp import release_pool
 from turnrl.rewards import RewardFn, Rewards
 from turnrl.rollout.collector import JsonlWriter
 from turnrl.rollout.episode import describe, failed_trajectory
@@ -68,7 +69,10 @@ class _LoopThread:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and wait for its result (works inside a running loop, e.g. Jupyter)."""
+        """Run ``coro`` on the loop and wait for its result (works inside a running loop, e.g. Jupyter).
+        The trainer's thread frees its OpenMP pool first: the rollout's engine computes meanwhile
+        (``turnrl.openmp``)."""
+        release_pool()
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def stop(self) -> None:

@@ -1,10 +1,11 @@
 """The worker thread that owns the model: continuous batching of generation requests.
 
-Each iteration it (1) applies pending weight updates, (2) prefills newly arrived requests, text
-prompts together in padded groups (``prefill``; each after its session's kept KV when the prompt
-extends it), prompts with images one by one, (3) merges them into the running batch, whose KV
-caches are left-padded to a common length, and (4) runs one decode step for every running row. Requests
-join and leave between steps; asyncio callers only wait on futures, so their loop stays free.
+Each iteration it (1) applies pending weight updates, (2) prefills newly arrived requests (text
+prompts together in padded groups, ``prefill``, each after its session's kept KV when the prompt
+extends it; prompts with images one by one), (3) merges them into the running batch, whose KV
+caches are left-padded to a common length, and (4) runs one decode step for every running row.
+Requests join and leave between steps; asyncio callers only wait on futures, so their loop stays
+free. Text forward passes of Llama-family models run the engine's own (``fused``).
 """
 
 from __future__ import annotations
