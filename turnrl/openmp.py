@@ -7,7 +7,7 @@ and the engine), the process holds more OpenMP threads than the machine has core
 then keeps its workers from spinning between parallel regions: each region wakes them from
 sleep instead. A decode step runs hundreds of small regions, so the engine ran about a quarter
 slower (68 against 52 ms a step, SmolLM2-135M at batch 32 on two cores) whenever another thread
-had ever run torch code: always, since a model is loaded before it is served.
+still held a pool: the one that computed with the model before serving it, or the trainer's.
 
 ``release_pool`` frees the calling thread's pool (``omp_pause_resource_all``, OpenMP 5.0); the
 thread's next parallel work makes a new one, which costs a thread start. Threads that hand work
