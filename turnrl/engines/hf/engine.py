@@ -79,9 +79,10 @@ class HFEngine:
         least recently used sessions go first; a weight update drops them all (0: keep none).
         ``packed_weights`` serves the linear layers from oneDNN-packed copies of their weights
         (``packed``: 2-3x faster matrix products on CPU, the same float32 arithmetic); None: when
-        the model is on CPU in float32 or bfloat16 and torch has oneDNN. Only the engine's own
-        forward passes read the packs; they are refreshed by ``update_weights``, so weights changed
-        in place behind the engine's back are not seen.
+        the model is on CPU in float32 or bfloat16 and torch has oneDNN. With it, Llama, Mistral,
+        Qwen2 and Qwen3 text models run the engine's own forward pass on fused packed weights
+        (``fused``). Only the engine's own forward passes read the packs; they are refreshed by
+        ``update_weights``, so weights changed in place behind the engine's back are not seen.
         """
         _check_full_attention(model)
         self._model = model.eval()
