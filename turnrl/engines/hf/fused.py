@@ -25,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
+from turnrl.engines.hf.packed import pack as _pack
+from turnrl.engines.hf.packed import packed_linear as _linear
+
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-_LINEAR = torch.ops.mkldnn._linear_pointwise if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
 
 
 def _norm_ok(module: Any) -> bool:
@@ -49,12 +51,12 @@ def _layer_ok(layer: Any) -> bool:
 
 
 def fusable(model: Any) -> bool:
-    """Whether ``model`` is a text model of ``FAMILIES`` whose layers this forward computes exactly."""
+    """Whether ``model`` is a text model of ``FAMILIES`` whose layers this forward computes exactly
+    (the engine also requires ``packing_available``)."""
     inner: Any = getattr(model, "model", None)
     parts = ("embed_tokens", "layers", "norm", "rotary_emb")
     return (
-        _LINEAR is not None
-        and getattr(model.config, "model_type", None) in FAMILIES
+        getattr(model.config, "model_type", None) in FAMILIES
         and all(hasattr(inner, p) for p in parts)
         and type(getattr(model, "lm_head", None)) is torch.nn.Linear
         and _norm_ok(inner.norm)
@@ -85,10 +87,6 @@ class _Weights:
     down_bias: torch.Tensor | None
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-
 def _weights(layer: Any) -> _Weights:
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
@@ -102,11 +100,6 @@ def _weights(layer: Any) -> _Weights:
         _pack(mlp.down_proj.weight),
         _bias(mlp.down_proj),
     )
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    assert _LINEAR is not None
-    return _LINEAR(x, weight, bias, "none", [], "")
 
 
 def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:

@@ -42,6 +42,16 @@ def packing_available(model: torch.nn.Module) -> bool:
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight reordered once into oneDNN's blocked layout (for ``packed_linear``)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` on a weight from ``pack``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class _Packed:
     """One linear layer's forward on its packed weight, packed at the first served call after
     construction or ``repack`` (so copies and pickles of the model never hold a packed tensor)."""
@@ -60,8 +70,8 @@ class _Packed:
             return torch.nn.functional.linear(x, self.linear.weight, bias)
         weight = self.weight  # read once: a closing engine sharing the model may drop it meanwhile
         if weight is None:
-            weight = self.weight = torch.ops.mkldnn._reorder_linear_weight(self.linear.weight.detach())
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            weight = self.weight = pack(self.linear.weight)
+        return packed_linear(x, weight, bias)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Packed:
         return _Packed(copy.deepcopy(self.linear, memo))
