@@ -9,7 +9,8 @@ per mode: the mean wall time per step (step 1 excluded: it includes the first ro
 the overlapped run cannot hide; the mean, as an overlapped run's steps alternate between one that
 waits for groups and one that finds them ready) and its median, and trajectories trained on per
 second, with the ratios; plus
-the overlapped run's staleness share and idle times.
+the overlapped run's staleness share and idle times, and the share of this process's cores each
+mode kept busy (``time/cores_busy``; with the embedded engine, generation is in this process).
 
     .venv/bin/python bench/overlap.py [--steps 5] [--rounds 2]
 
@@ -118,6 +119,8 @@ def run(
         "rollout_idle": statistics.fmean(r.get("async/rollout_idle_s", 0.0) for r in records),
         "reward": statistics.fmean(r["reward/mean"] for r in records),
         **{part: statistics.fmean(r.get(f"time/{part}", 0.0) for r in records[1:]) for part in PARTS},
+        # this process's cores kept busy over the steps (the embedded engine computes here too)
+        "busy": sum(r["time/cores_busy"] * r["time/step"] for r in records[1:]) / sum(per_step),
     }
 
 
@@ -230,7 +233,8 @@ def describe(sync: dict[str, Any], over: dict[str, Any]) -> str:
         f"a step, rollout idle {over['rollout_idle']:.1f} s; mean reward "
         f"{sync['reward']:.3f} sync, {over['reward']:.3f} overlapped; a sync step is "
         f"{sync['rollout']:.1f} s rollout + {sync['train']:.1f} s train + {sync['sync']:.1f} s push "
-        f"(overlap bound x{overlap_bound(sync):.2f})"
+        f"(overlap bound x{overlap_bound(sync):.2f}); cores busy {sync['busy']:.0%} sync, "
+        f"{over['busy']:.0%} overlapped"
     )
 
 

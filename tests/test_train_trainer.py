@@ -64,6 +64,8 @@ async def test_a_step_changes_the_policy_and_the_engine(tmp_path: Path, tiny_qwe
     assert metrics["reward/std"] > 0.0 and 0 < metrics["train/samples"] <= 8  # zero-advantage ones skipped
     # the engine sampled with the weights the trainer scored: the rollout ratio is 1 up to rounding
     assert metrics["is/ratio_min"] > 0.99 and metrics["is/ratio_max"] < 1.01
+    # the step computed in this process: CPU seconds counted, at most every core busy all along
+    assert metrics["time/cpu"] > 0 and 0 < metrics["time/cores_busy"] <= 1.05
     for key in (
         "grad_norm",
         "time/rollout",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -40,6 +41,15 @@ def rollout_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, 
     }
     out |= {f"stop/{reason}": n / count for reason, n in sorted(stops.items())}
     return {prefix + k: v for k, v in out.items()}
+
+
+def cpu_metrics(cpu_s: float, wall_s: float) -> dict[str, float]:
+    """A step's CPU seconds in this process (every thread) and the share of the process's cores
+    they kept busy. Well below 1 (slow tools, a simulated user), cores sit idle that an overlapped
+    trainer can use. OpenMP workers spinning between parallel regions count as busy, so a share
+    near 1 may still hide gaps; a vLLM server computes in its own process and does not count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"time/cpu": cpu_s, "time/cores_busy": cpu_s / (wall_s * cores) if wall_s > 0 else 0.0}
 
 
 class Tracker(Protocol):

@@ -110,7 +110,7 @@ async def _group(run: Run, spec: RolloutSpec, prompt: Sample, feed: Feed) -> Non
 async def overlapped_step(run: Run, step: int, feed: Feed) -> dict[str, float]:
     """Step ``step`` from the feed's next groups: screen, train (the feed goes on), push weights."""
     cfg = run.config
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     target = len(shard(range(cfg.train.prompts_per_step), run.ranks))  # this rank's groups per step
     dynamic = cfg.algorithm.dynamic_sampling
     # dynamic sampling: at most max_rounds steps' worth of groups, as the synchronous step's rounds
@@ -147,7 +147,7 @@ async def overlapped_step(run: Run, step: int, feed: Feed) -> dict[str, float]:
     metrics = staleness(trajs, int(getattr(run.engine, "weight_version", 0)))
     metrics |= {"async/trainer_idle_s": waited, "async/rollout_idle_s": feed.rollout_idle_s}
     feed.rollout_idle_s = 0.0
-    return metrics | await learn(run, rolled, trajs, counts, t0)
+    return metrics | await learn(run, rolled, trajs, counts, t0, cpu0)
 
 
 def staleness(trajs: list[Trajectory], current: int) -> dict[str, float]:

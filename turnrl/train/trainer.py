@@ -83,7 +83,7 @@ from turnrl.train.fsdp import (
 from turnrl.train.logprobs import shares_prefixes, token_logprobs
 from turnrl.train.lora import full_weights, is_lora, merged_state, saved_adapter, serving_weights, wrap_lora
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
-from turnrl.train.metrics import rollout_metrics
+from turnrl.train.metrics import cpu_metrics, rollout_metrics
 from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
 from turnrl.train.shaping import refill_count, refill_prompts, shape_overlong, varied_groups
@@ -314,9 +314,9 @@ def update_policy(run: Run, batches: list[Batch], tokens: int) -> dict[str, floa
 
 async def train_step(run: Run, step: int) -> dict[str, float]:
     """Step ``step`` (from 1): rollout, advantages, samples, update, weight push; its metrics."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     rolled, trajs, counts = await _step_trajectories(run, step, rollouts_path(run, step))
-    return await learn(run, rolled, trajs, counts, t0)
+    return await learn(run, rolled, trajs, counts, t0, cpu0)
 
 
 def rollouts_path(run: Run, step: int) -> Path | None:
@@ -330,11 +330,17 @@ def rollouts_path(run: Run, step: int) -> Path | None:
 
 
 async def learn(
-    run: Run, rolled: list[Trajectory], trajs: list[Trajectory], counts: StepCounts, t0: float
+    run: Run,
+    rolled: list[Trajectory],
+    trajs: list[Trajectory],
+    counts: StepCounts,
+    t0: float,
+    cpu0: float,
 ) -> dict[str, float]:
     """From a step's trajectories (``rolled``: every one rolled out; ``trajs``: those to train on)
-    to an optimizer update and the weight push; the step's metrics. The update runs in a worker
-    thread, so rollouts in flight (overlapped training) go on meanwhile."""
+    to an optimizer update and the weight push; the step's metrics (its times from ``t0``, wall,
+    and ``cpu0``, this process's CPU). The update runs in a worker thread, so rollouts in flight
+    (overlapped training) go on meanwhile."""
     cfg = run.config
     t1 = time.perf_counter()
     metrics = rollout_metrics(_every_ranks(rolled, run.ranks)) | counts.metrics()
@@ -362,8 +368,8 @@ async def learn(
     t2 = time.perf_counter()
     await push_weights(run)
     t3 = time.perf_counter()
-    metrics |= {"time/rollout": t1 - t0, "time/train": t2 - t1}
-    return metrics | {"time/sync": t3 - t2, "time/step": t3 - t0}
+    metrics |= {"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0}
+    return metrics | cpu_metrics(time.process_time() - cpu0, t3 - t0)
 
 
 def _update(run: Run, batches: list[Batch], tokens: int) -> dict[str, float]:
