@@ -162,6 +162,8 @@ def scripted_turn(
     its structured calls."""
     if isinstance(reply, str):  # the reply prefix (Functionary's recipient line) is the model's too
         text, close, calls = probe.reply_prefix + reply, probe.assistant_close, []
+        if "</think>" in reply:
+            text = reasoning_turn(encoder, probe, tools, reply) or text
     else:
         calls = list(reply.get("tool_calls") or [])
         try:
@@ -171,6 +173,21 @@ def scripted_turn(
                 f"the template renders no turn with {len(calls)} tool calls: {exc}"
             ) from exc
     return encoder.template.encode(text) + stop_ids(encoder, close), calls
+
+
+def reasoning_turn(encoder: ChatEncoder, probe: TemplateProbe, tools: Tools, reply: str) -> str | None:
+    """A reply with a ``<think>`` block as a model of the family writes it: the template's render
+    of it as the last turn, where that keeps the reasoning (GLM writes ``\n<think>...</think>\n``
+    after its header; a template whose generation prompt opens ``<think>`` leaves the model the
+    rest). None where the template drops the reasoning or cannot render the turn: the reply is
+    then written as it stands."""
+    thought = reply.split("</think>", 1)[0].split("<think>")[-1].strip()
+    message: Message = {"role": "assistant", "content": reply}
+    try:
+        text, _ = model_turn(encoder.template, tools, probe.base, message, probe.assistant_close)
+    except ChatTemplateError:
+        return None
+    return text if thought in text else None
 
 
 @dataclass
