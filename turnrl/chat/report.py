@@ -14,6 +14,7 @@ from turnrl.chat.check import CheckResult, counts
 from turnrl.chat.encoder import ChatEncoder, Tools
 from turnrl.chat.probe import TemplateProbe, call_id, model_turn
 from turnrl.chat.template import ChatTemplateError
+from turnrl.tools.parser_base import split_reasoning
 from turnrl.tools.parsers import parser_for_template
 from turnrl.types import Message
 
@@ -161,9 +162,8 @@ def scripted_turn(
     """A scripted turn's tokens as a model of the family writes them, its stop token included, and
     its structured calls."""
     if isinstance(reply, str):  # the reply prefix (Functionary's recipient line) is the model's too
-        text, close, calls = probe.reply_prefix + reply, probe.assistant_close, []
-        if "</think>" in reply:
-            text = reasoning_turn(encoder, probe, tools, reply) or text
+        text = reasoning_turn(encoder, probe, tools, reply) or probe.reply_prefix + reply
+        close, calls = probe.assistant_close, []
     else:
         calls = list(reply.get("tool_calls") or [])
         try:
@@ -179,9 +179,11 @@ def reasoning_turn(encoder: ChatEncoder, probe: TemplateProbe, tools: Tools, rep
     """A reply with a ``<think>`` block as a model of the family writes it: the template's render
     of it as the last turn, where that keeps the reasoning (GLM writes ``\n<think>...</think>\n``
     after its header; a template whose generation prompt opens ``<think>`` leaves the model the
-    rest). None where the template drops the reasoning or cannot render the turn: the reply is
-    then written as it stands."""
-    thought = reply.split("</think>", 1)[0].split("<think>")[-1].strip()
+    rest). None for a reply without reasoning, or where the template drops the reasoning or cannot
+    render the turn: the reply is then written as it stands."""
+    thought = split_reasoning(reply)[1]
+    if not thought:
+        return None
     message: Message = {"role": "assistant", "content": reply}
     try:
         text, _ = model_turn(encoder.template, tools, probe.base, message, probe.assistant_close)

@@ -222,10 +222,7 @@ class HFEngine:
         """Stop the worker; running and queued requests end with finish_reason "abort"; free the
         packed weights."""
         await asyncio.to_thread(self._scheduler.close)
-        if self._scheduler.packed is not None:
-            self._scheduler.packed.repack()
-        if self._scheduler.fused is not None:
-            self._scheduler.fused.repack()
+        self._scheduler.repack()
 
     def _make_request(
         self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Any]

@@ -158,10 +158,7 @@ class Scheduler:
         try:
             with torch.no_grad():
                 self.model.load_state_dict(dict(update.state_dict), strict=update.strict)
-                if self.packed is not None:
-                    self.packed.repack()
-                if self.fused is not None:
-                    self.fused.repack()
+                self.repack()
             self.prefix_cache.clear()  # its KV was computed with the old weights
             self.version = self.version + 1 if update.version is None else update.version
             resolve(update.loop, update.future, self.version)
@@ -229,6 +226,12 @@ class Scheduler:
             keep.append(reason is None and not request.cancelled)
         if not all(keep):
             batch.rebuild(keep, [])
+
+    def repack(self) -> None:
+        """Drop the packed and fused weight copies: the next forward makes them from the weights."""
+        for copies in (self.packed, self.fused):
+            if copies is not None:
+                copies.repack()
 
     def _logits(self, inputs: dict[str, Any], cache: Cache) -> torch.Tensor:
         """The last position's logits ``[B, V]`` of a text forward pass after ``cache`` (appended to)."""
