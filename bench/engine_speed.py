@@ -11,13 +11,18 @@ the same work). Sides, one after the other in one run, each repeated:
 - ``vLLM`` (``--vllm``): one vLLM server that turnrl starts from ``scripts/install_vllm.sh``'s
   environment, sent the same token-id prompts with ``ignore_eos``, all at once.
 
+``--device cuda`` runs ``generate`` and the engine on the GPU (``--dtype`` both; the packed
+side is CPU-only and left out there); ``--json`` ends with one JSON line of the medians.
+
     .venv/bin/python bench/engine_speed.py [--requests 32] [--tokens 128] [--repeats 3] [--vllm]
+        [--model smollm2-135m] [--device cpu] [--dtype float32] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +32,7 @@ import httpx
 import torch
 
 from turnrl.app import hf_engine
+from turnrl.config import HFEngineConfig
 from turnrl.models import load_model, load_tokenizer
 from turnrl.types import SamplingParams
 
@@ -49,8 +55,8 @@ async def generate_side(model: Any, tokenizer: Any, batch: list[list[int]], toke
     """transformers ``generate`` over the left-padded batch; the tokens generated."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
     torch.manual_seed(0)
     with torch.inference_mode():
         out = model.generate(
@@ -64,6 +70,8 @@ async def generate_side(model: Any, tokenizer: Any, batch: list[list[int]], toke
             min_new_tokens=tokens,
             pad_token_id=pad,
         )
+    if out.is_cuda:
+        torch.cuda.synchronize()
     return int(out[:, width:].numel())
 
 
@@ -103,15 +111,18 @@ async def vllm_side(url: str, batch: list[list[int]], tokens: int) -> int:
 async def main_async(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args.model)
     batch = prompts(tokenizer, args.requests)
-    model = load_model(args.model)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
     no_stop: dict[str, Any] = {"eos_token_ids": [], "max_batch_size": args.requests}
-    packed = hf_engine(args.model, **no_stop)
-    plain = hf_engine(args.model, packed_weights=False, **no_stop)
+    config = HFEngineConfig(device=args.device, dtype=args.dtype)
+    packed = hf_engine(args.model, config, **no_stop)
+    cpu = args.device == "cpu"
+    plain = hf_engine(args.model, config, packed_weights=False, **no_stop) if cpu else packed
     sides: dict[str, Callable[[], Awaitable[int]]] = {
-        "generate": lambda: generate_side(model, tokenizer, batch, args.tokens),
-        "embedded, plain": lambda: engine_side(plain, batch, args.tokens),
-        "embedded": lambda: engine_side(packed, batch, args.tokens),
+        "generate": lambda: generate_side(model, tokenizer, batch, args.tokens)
     }
+    if cpu:
+        sides["embedded, plain"] = lambda: engine_side(plain, batch, args.tokens)
+    sides["embedded"] = lambda: engine_side(packed, batch, args.tokens)
     vllm = None
     if args.vllm:
         from turnrl.app.engines import vllm_engine
@@ -129,6 +140,7 @@ async def main_async(args: argparse.Namespace) -> None:
             await vllm_side(url, batch[:2], 4)
         await engine_side(packed, batch[:2], 4)
         await engine_side(plain, batch[:2], 4)
+        await generate_side(model, tokenizer, batch[:2], 4)
         for repeat in range(args.repeats):
             for name, side in sides.items():
                 t0 = time.perf_counter()
@@ -140,7 +152,8 @@ async def main_async(args: argparse.Namespace) -> None:
                 print(f"  [{repeat + 1}] {name:<16} {made} tok, {seconds:6.2f}s, {rate:6.1f} tok/s")
     finally:
         await packed.close()
-        await plain.close()
+        if plain is not packed:
+            await plain.close()
         if vllm is not None:
             await vllm.close()
     med = {name: statistics.median(r) for name, r in rates.items()}
@@ -148,9 +161,12 @@ async def main_async(args: argparse.Namespace) -> None:
     for name, rate in med.items():
         print(f"  {name:<16} {rate:6.1f}")
     print(f"embedded / generate: {med['embedded'] / med['generate']:.2f}")
-    print(f"embedded / embedded plain: {med['embedded'] / med['embedded, plain']:.2f}")
+    if "embedded, plain" in med:
+        print(f"embedded / embedded plain: {med['embedded'] / med['embedded, plain']:.2f}")
     if "vLLM" in med:
         print(f"embedded / vLLM: {med['embedded'] / med['vLLM']:.2f}")
+    if args.json:
+        print(json.dumps(med))
 
 
 def main() -> None:
@@ -160,6 +176,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm", action="store_true", help="add a vLLM server (scripts/install_vllm.sh)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the medians")
     asyncio.run(main_async(parser.parse_args()))
 
 

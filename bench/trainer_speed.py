@@ -24,13 +24,16 @@ float32).
 ``--head`` times the vocabulary projection alone (one micro-batch's ``--head-positions`` trained
 positions, forward and backward), its probabilities kept against recomputed.
 
+``--device cuda`` runs both sides on the GPU (TRL's trainer with ``use_cpu`` off) and reports
+each side's peak CUDA memory above the loaded model besides its resident memory.
+
 Each side runs in its own process (so its peak resident memory is its own): one warm-up step,
 then ``--steps`` timed steps; trained tokens per second of the median step and the process's peak
 RSS above what it held after loading the model. Sides alternate, ``--repeats`` times.
 
     .venv/bin/python bench/trainer_speed.py [--model smollm2-135m] [--rows 16] [--prompt 128]
         [--completion 384] [--group 1] [--share-min 32] [--steps 3] [--repeats 2] [--bf16]
-        [--keep-mib 512] [--sides turnrl,turnrl-packed,turnrl-unshared,trl]
+        [--keep-mib 512] [--sides turnrl,turnrl-packed,turnrl-unshared,trl] [--device cpu] [--json]
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argpars
     optimizer.zero_grad(set_to_none=True)
     share = 0 if args.side == "turnrl-unshared" else args.share_min
     for b in batches_of(samples, args.micro_tokens, 0, args.pack, share):
+        b = b.to(model.device)
         logprobs = token_logprobs(
             model,
             b.input_ids_B_T,
@@ -128,7 +132,7 @@ def trl_trainer(model: Any, tokenizer: Any, args: argparse.Namespace, out: str) 
         num_generations=args.trl_rows,
         max_completion_length=args.completion,
         report_to=[],
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         bf16=False,
         logging_steps=1000,
         save_strategy="no",
@@ -160,7 +164,8 @@ def trl_step(trainer: Any, optimizer: Any, data: tuple[Any, ...], args: argparse
             "advantages": torch.tensor([advantages[i] for i in rows]),
             "num_items_in_batch": torch.tensor(float(tokens)),
         }
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast is not None):
+        inputs = {k: v.to(trainer.model.device) for k, v in inputs.items()}
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.autocast is not None):
             loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()  # TRL's default loss (dapo) is a sum over the step's num_items_in_batch tokens
     optimizer.step()
@@ -172,7 +177,7 @@ def run_side(args: argparse.Namespace) -> None:
     from turnrl.models import load_model, load_tokenizer
 
     torch.manual_seed(0)
-    model = load_model(args.model)
+    model = load_model(args.model, device=args.device)
     tokenizer = load_tokenizer(args.model)
     model.train()
     data = batch(args, int(model.get_output_embeddings().weight.shape[0]))
@@ -187,16 +192,23 @@ def run_side(args: argparse.Namespace) -> None:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
             step = lambda: turnrl_step(model, optimizer, data, args)  # noqa: E731
         loaded = current_rss_mib()
+        cuda = args.device.startswith("cuda")
+        if cuda:
+            torch.cuda.synchronize()
+            cuda_loaded = torch.cuda.memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
         step()  # warm-up (AdamW state allocated)
         seconds = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
             tokens = step()
+            if cuda:
+                torch.cuda.synchronize()
             seconds.append(time.perf_counter() - t0)
-    peak = rss_mib()
-    print(
-        json.dumps({"tokens": tokens, "seconds": statistics.median(seconds), "peak": peak, "loaded": loaded})
-    )
+    result = {"tokens": tokens, "seconds": statistics.median(seconds), "peak": rss_mib(), "loaded": loaded}
+    if cuda:
+        result["cuda_peak"] = torch.cuda.max_memory_allocated() / 2**20 - cuda_loaded
+    print(json.dumps(result))
 
 
 def head_compare(args: argparse.Namespace) -> None:
@@ -255,6 +267,8 @@ def main() -> None:
         "--head", action="store_true", help="time the vocabulary projection alone, kept against recomputed"
     )
     parser.add_argument("--head-positions", type=int, default=1340, help="trained positions, with --head")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.head:
@@ -280,9 +294,10 @@ def main() -> None:
             r = json.loads(line)
             results[side].append(r)
             rate = r["tokens"] / r["seconds"]
+            gpu = f", CUDA peak {r['cuda_peak']:.0f} MiB above the model" if "cuda_peak" in r else ""
             print(
                 f"  [{repeat + 1}] {side:<13} {rate:7.1f} tok/s  step {r['seconds']:.2f}s  "
-                f"peak {r['peak']:.0f} MiB ({r['peak'] - r['loaded']:.0f} above the loaded model)"
+                f"peak {r['peak']:.0f} MiB ({r['peak'] - r['loaded']:.0f} above the loaded model){gpu}"
             )
     rates = {s: statistics.median(r["tokens"] / r["seconds"] for r in rs) for s, rs in results.items()}
     extra = {s: statistics.median(r["peak"] - r["loaded"] for r in rs) for s, rs in results.items()}
@@ -299,6 +314,13 @@ def main() -> None:
         print(f"packed / padded tokens/s: {rates['turnrl-packed'] / rates['turnrl']:.2f}")
     if "turnrl" in rates and "turnrl-unshared" in rates:
         print(f"shared / unshared prefixes tokens/s: {rates['turnrl'] / rates['turnrl-unshared']:.2f}")
+    if args.json:
+        cuda_peak = {
+            s: statistics.median(r["cuda_peak"] for r in rs)
+            for s, rs in results.items()
+            if "cuda_peak" in rs[0]
+        }
+        print(json.dumps({"rates": rates, "extra_mib": extra, "cuda_peak_mib": cuda_peak}))
 
 
 if __name__ == "__main__":

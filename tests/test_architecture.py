@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"rollout"},
     {"rewards"},
     {"chat", "engines", "env", "tools"},
-    {"vision", "imports", "cache", "openmp"},
+    {"vision", "imports", "cache", "openmp", "fake_cuda", "run_folder"},
     {"types"},
 ]
 UPPER = {

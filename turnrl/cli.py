@@ -14,30 +14,27 @@ from types import FrameType
 
 from rich.console import Console
 
+from turnrl.rollout.failures import RunFailed
 from turnrl.types import EngineError
 
 USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError, OSError, EngineError)
 TRAIN_SECTIONS = ("algorithm", "optim", "train", "eval", "warm_start")
 
 
-def free_output_dir(out: Path, holds_run: Callable[[Path], bool]) -> Path:
-    """``out`` when it holds no run, else the first ``out-2``, ``out-3``... that holds none."""
-    if not holds_run(out):
-        return out
-    n = 2
-    while holds_run(out.with_name(f"{out.name}-{n}")):
-        n += 1
-    return out.with_name(f"{out.name}-{n}")
-
-
 def _fresh(output_dir: str, holds_run: Callable[[Path], bool], console: Console) -> str:
-    """The output folder of a new run: a folder holding an earlier run is kept, and a new one is used."""
+    """The output folder of a new run, locked for this process: a folder that holds an earlier run,
+    or that another live run writes, is left alone and the next free ``-2``, ``-3``... is used."""
+    from turnrl.run_folder import claim_free, holder
+
     out = Path(output_dir)
-    fresh = free_output_dir(out, holds_run)
+    fresh = claim_free(out, holds_run)
     if fresh != out:
-        console.print(
-            f"{out} holds an earlier run: writing to {fresh} (--resume continues it, --overwrite replaces it)"
+        why = (
+            "holds an earlier run"
+            if holds_run(out)
+            else f"is being written by another run (PID {holder(out)})"
         )
+        console.print(f"{out} {why}: writing to {fresh} (--resume continues it, --overwrite replaces it)")
     return str(fresh)
 
 
@@ -109,7 +106,7 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     from turnrl.train import load_train_config
     from turnrl.train.eval_run import EVAL_FILE, evaluate
 
-    config = load_train_config(args.config, args.set)
+    config = load_train_config(args.config, args.set, purpose="eval")
     _demo_model_for(config.model, console)
     out = evaluate(config, args.checkpoint, args.out, console)
     console.print(f"wrote {out / EVAL_FILE} and {Path(EVAL_FILE).with_suffix('.json').name}")
@@ -247,11 +244,22 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one clear line on bad input, non-zero exit."""
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["serve"]:  # its own options, --help included
+        from turnrl.app.serve import main as serve_main
+
+        return serve_main(words[1:])
+    args = build_parser().parse_args(words)
     console = Console(stderr=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args, console))
+    except RunFailed as exc:
+        print(f"turnrl: error: {exc}", file=sys.stderr)
+        hint = _hint(args)
+        if hint:
+            print(f"turnrl: what finished is on disk; once fixed, continue with: {hint}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         hint = _hint(args)
         console.print("interrupted; what finished is on disk" + (f"; continue with: {hint}" if hint else ""))

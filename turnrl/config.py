@@ -356,6 +356,10 @@ class RolloutConfig(Strict):
     """Trajectories per prompt (a GRPO group)."""
     concurrency: int = Field(32, ge=1)
     """Trajectories in flight."""
+    fail_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """A rollout, training step or evaluation where more than this share of the trajectories
+    ended in engine_error, env_error or internal_error stops the run (exit 1): the infrastructure
+    is broken, and their zero rewards say nothing of the model. 1: never stop."""
 
 
 class CollectConfig(RolloutConfig):
@@ -397,6 +401,8 @@ class RunSections(Strict):
     def _one_seed(cls, sampling: SamplingParams) -> SamplingParams:
         if sampling.seed is not None:
             raise ValueError("set the run's top-level seed instead (every request's seed derives from it)")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens is {sampling.max_tokens}: a turn must be allowed at least 1 token")
         return sampling
 
 
@@ -449,6 +455,8 @@ def first_error(exc: ValidationError) -> str:
         return f"missing config key {where!r}{more}"
     if err["type"] == "union_tag_invalid":
         return f"config key {where + '.kind'!r}: must be one of {', '.join(ENGINE_KINDS)}{more}"
+    if not loc:  # a check across keys: its message names them
+        return f"{err['msg'].removeprefix('Value error, ')}{more}"
     return f"config key {where!r}: {err['msg']}{more}"
 
 
@@ -469,20 +477,26 @@ def read_yaml_mapping(path: str | os.PathLike[str], error: type[ValueError] = Co
     return data
 
 
-def validate(model: type[M], data: dict[str, Any]) -> M:
-    """``data`` as ``model``; ConfigError with one line naming the first bad key."""
+def validate(model: type[M], data: dict[str, Any], context: dict[str, Any] | None = None) -> M:
+    """``data`` as ``model`` (``context`` for its validators); ConfigError with one line naming the
+    first bad key."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as exc:
         raise ConfigError(first_error(exc)) from None
 
 
-def load_model_config(path: str | Path, model: type[M], overrides: list[str] | None = None) -> M:
+def load_model_config(
+    path: str | Path,
+    model: type[M],
+    overrides: list[str] | None = None,
+    context: dict[str, Any] | None = None,
+) -> M:
     """Read a YAML config, apply ``--set`` overrides, validate it as ``model``. The config's folder
     and the working directory become importable, for its ``module:Class`` paths."""
     data = read_yaml_mapping(path)
     add_search_path(Path(path).parent, Path.cwd())
-    return validate(model, apply_overrides(data, overrides or []))
+    return validate(model, apply_overrides(data, overrides or []), context)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -62,9 +62,17 @@ def read_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
         raise DataError(f"data file not found: {path}")
     if path.suffix == ".parquet":
         return _parquet_rows(path)
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"data file {path} is not UTF-8 text (byte {exc.start}): give JSONL, JSON or .parquet"
+        ) from None
     if path.suffix == ".json":
-        rows = json.loads(text)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"data file {path} is not JSON: {exc.msg} (line {exc.lineno})") from None
         if not isinstance(rows, list):
             raise DataError(f"data file {path} must hold a JSON list")
         return rows

@@ -9,6 +9,7 @@ rankings, or pass@k-style credit.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,8 @@ class Rewards:
             values = [float(v) for v in await _maybe_await(fn([RewardContext(sample, t) for t in group]))]
             if len(values) != len(group):
                 raise ValueError(f"returned {len(values)} rewards for a group of {len(group)}")
+            if bad := [v for v in values if not math.isfinite(v)]:
+                raise ValueError(f"returned the reward {bad[0]!r}, expected finite numbers")
         except Exception as exc:
             values = [0.0] * len(group)
             for traj in group:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from turnrl.chat.encoder import ChatEncoder
@@ -26,11 +27,19 @@ def load_samples(data: DataConfig, entry: EnvEntry) -> list[Sample]:
     if data.path:
         return to_samples(read_rows(data.path, data.split), data.path, data.limit)
     if data.generator:
-        rows = import_object(data.generator, "data generator")(**data.kwargs)
-        return to_samples(rows, data.generator, data.limit)
+        generator = import_object(data.generator, "data generator")
+        return to_samples(_generated(generator, data), data.generator, data.limit)
     if entry.dataset is None:
         raise RunError("no data: set data.path or data.generator (this env has no data of its own)")
     return to_samples(entry.dataset(**data.kwargs), "the env's data", data.limit)
+
+
+def _generated(generator: Any, data: DataConfig) -> Iterator[dict[str, Any]]:
+    """The generator's rows; its error, when it is called or while it yields, as one line."""
+    try:
+        yield from generator(**data.kwargs)
+    except Exception as exc:
+        raise RunError(f"data.generator {data.generator} failed: {type(exc).__name__}: {exc}") from None
 
 
 def build_env_factory(env: EnvConfig, entry: EnvEntry | None = None) -> EnvFactory:

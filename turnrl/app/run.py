@@ -15,17 +15,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from turnrl.app.engines import build_engine
 from turnrl.app.parts import RunError, build_env_factory, build_spec, load_samples
+from turnrl.app.preflight import check_run, check_template
 from turnrl.config import RunConfig, dump_config
 from turnrl.env.registry import resolve_env
-from turnrl.rollout.collector import JsonlWriter, collect, recover
+from turnrl.rollout.codec import json_line
+from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recover
+from turnrl.rollout.failures import FAILURES, check_failures
 from turnrl.rollout.loop import RolloutSpec, TurnHook
 from turnrl.rollout.metrics import summarize, turn_record
+from turnrl.run_folder import FAILED, claim, drop_aside, put_back, release, set_aside
 from turnrl.types import Sample, Trajectory, Turn
 
 TRAJECTORIES = "trajectories.jsonl"
 TURNS = "turns.jsonl"
 SUMMARY = "summary.json"
 SERVERS = "servers"  # logs of the servers a run starts
+OUTPUTS = (TRAJECTORIES, TURNS, SUMMARY, "config.yaml")  # what a rollout run writes
 
 
 @dataclass
@@ -68,7 +73,12 @@ def prepare(
     exists = (out_dir / TRAJECTORIES).exists()
     if resume and overwrite:
         raise RunError("--resume and --overwrite exclude each other")
-    if resume and exists:
+    if resume and not exists:
+        raise RunError(
+            f"cannot resume: {out_dir / TRAJECTORIES} does not exist (run without --resume to start)"
+        )
+    claim(out_dir)  # one writer per run folder, from here to the end of this process
+    if resume:
         _check_resumable(config, out_dir)
     elif exists and not overwrite:
         raise RunError(
@@ -76,10 +86,17 @@ def prepare(
         )
     check_writable(out_dir)
     env_factory = build_env_factory(config.env, entry)
+    check_run(config.env.name, samples, env_factory)
     console = console or Console(stderr=True)
     with console.status(f"loading {config.model}") as status:
         engine, tokenizer = build_engine(config, out_dir / SERVERS, say=status.update)
-    return Prepared(config, samples, build_spec(config, engine, tokenizer, env_factory), out_dir, resume)
+    spec = build_spec(config, engine, tokenizer, env_factory)
+    try:
+        check_template(spec.encoder, samples[0])
+    except RunError:
+        asyncio.run(engine.close())
+        raise
+    return Prepared(config, samples, spec, out_dir, resume)
 
 
 def check_writable(out_dir: Path) -> None:
@@ -103,26 +120,39 @@ def _progress(console: Console) -> Progress:
         TextColumn("[bold]rollout"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("reward {task.fields[reward]:.3f}  turns {task.fields[turns]:.1f}"),
+        TextColumn(
+            "reward {task.fields[reward]}  turns {task.fields[turns]:.1f}  failed {task.fields[failed]}"
+        ),
         TimeElapsedColumn(),
         console=console,
     )
 
 
 class _Tally:
-    """Running means for the progress bar."""
+    """Running means for the progress bar: the reward over trajectories that did not fail (a
+    failed one's 0 says nothing of the model), and how many failed."""
 
     def __init__(self, trajs: list[Trajectory]) -> None:
-        self.count = len(trajs)
-        self.reward = sum(t.reward for t in trajs)
-        self.turns = sum(t.num_turns for t in trajs)
+        self.count = self.scored = self.failed = 0
+        self.reward = self.turns = 0.0
+        for traj in trajs:
+            self.add(traj)
 
-    def add(self, traj: Trajectory) -> tuple[float, float]:
-        """Count one more trajectory; return the mean reward and mean turns."""
+    def add(self, traj: Trajectory) -> dict[str, Any]:
+        """Count one more trajectory; the bar's fields."""
         self.count += 1
-        self.reward += traj.reward
         self.turns += traj.num_turns
-        return self.reward / self.count, self.turns / self.count
+        if traj.stop_reason in FAILURES:
+            self.failed += 1
+        else:
+            self.scored += 1
+            self.reward += traj.reward
+        return self.fields()
+
+    def fields(self) -> dict[str, Any]:
+        """The bar's fields now."""
+        reward = f"{self.reward / self.scored:.3f}" if self.scored else "-"
+        return {"reward": reward, "turns": self.turns / max(self.count, 1), "failed": self.failed}
 
 
 def _turn_logger(prepared: Prepared) -> tuple[TurnHook | None, JsonlWriter | None]:
@@ -136,58 +166,72 @@ def _turn_logger(prepared: Prepared) -> tuple[TurnHook | None, JsonlWriter | Non
     return log, writer
 
 
-def _start_output(prepared: Prepared) -> list[Trajectory]:
-    """Create the output folder; on resume, recover what is on disk, else start empty."""
+def _start_output(prepared: Prepared, console: Console) -> list[Trajectory]:
+    """Create the output folder; on resume, recover what is on disk (the turn log cut to the
+    finished trajectories' turns), else start empty."""
     out = prepared.out_dir
     out.mkdir(parents=True, exist_ok=True)
     if prepared.resume:
-        done, _ = recover(out / TRAJECTORIES)
+        done, _ = recover(out / TRAJECTORIES, say=console.print)
+        keep_turns_of(out / TURNS, {(t.group_id, t.sample_index) for t in done})
         return done
-    (out / TRAJECTORIES).unlink(missing_ok=True)
-    (out / TURNS).unlink(missing_ok=True)
+    set_aside(out, OUTPUTS)  # an --overwrite keeps the old run until the new one has a good trajectory
     (out / "config.yaml").write_text(yaml.safe_dump(dump_config(prepared.config), sort_keys=False))
     return []
 
 
 async def run_prepared(prepared: Prepared, console: Console | None = None) -> dict[str, Any]:
-    """Collect every trajectory, writing each as it finishes; return the run summary."""
+    """Collect every trajectory, writing each as it finishes; return the run summary. Stops with
+    ``RunFailed`` (what was written kept) when more than ``rollout.fail_fraction`` of them failed."""
     console = console or Console(stderr=True)
     cfg = prepared.config
-    finished = _start_output(prepared)
+    finished = _start_output(prepared, console)
     skip = {(t.group_id, t.sample_index) for t in finished}
     if prepared.resume:
         console.print(f"resuming: {len(skip)} trajectories already on disk")
     prepared.spec.on_turn, turn_writer = _turn_logger(prepared)
     tally = _Tally(finished)
-    with _progress(console) as bar:
-        total = len(prepared.samples) * cfg.rollout.group_size
-        task = bar.add_task("rollout", total=total, completed=len(skip), reward=0.0, turns=0.0)
+    good = any(t.stop_reason not in FAILURES for t in finished)
+    try:
+        with _progress(console) as bar:
+            total = len(prepared.samples) * cfg.rollout.group_size
+            task = bar.add_task("rollout", total=total, completed=len(skip), **tally.fields())
 
-        def on_done(traj: Trajectory) -> None:
-            finished.append(traj)
-            reward, turns = tally.add(traj)
-            bar.update(task, advance=1, reward=reward, turns=turns)
+            def on_done(traj: Trajectory) -> None:
+                nonlocal good
+                finished.append(traj)
+                bar.update(task, advance=1, **tally.add(traj))
+                if not good and traj.stop_reason not in FAILURES:
+                    good = True
+                    drop_aside(prepared.out_dir)  # the run an --overwrite replaced goes only now
 
-        try:
-            out = prepared.out_dir / TRAJECTORIES
-            await collect(
-                prepared.samples,
-                prepared.spec,
-                group_size=cfg.rollout.group_size,
-                concurrency=cfg.rollout.concurrency,
-                out_path=out,
-                on_done=on_done,
-                skip=skip,
+            try:
+                await collect(
+                    prepared.samples,
+                    prepared.spec,
+                    group_size=cfg.rollout.group_size,
+                    concurrency=cfg.rollout.concurrency,
+                    out_path=prepared.out_dir / TRAJECTORIES,
+                    on_done=on_done,
+                    skip=skip,
+                )
+            finally:
+                await prepared.spec.engine.close()
+                if turn_writer:
+                    turn_writer.close()
+                shutdown = getattr(prepared.spec.env_factory, "shutdown", None)
+                if callable(shutdown):
+                    shutdown()  # stop the Ray env workers
+        summary = summarize(finished)
+        (prepared.out_dir / SUMMARY).write_text(json.dumps(json.loads(json_line(summary)), indent=2))
+    finally:
+        if not good and put_back(prepared.out_dir, OUTPUTS):
+            console.print(
+                f"{prepared.out_dir}: the new run has no usable trajectory, so the run it replaced is put "
+                f"back; what the new one wrote is in {prepared.out_dir / FAILED}"
             )
-        finally:
-            await prepared.spec.engine.close()
-            if turn_writer:
-                turn_writer.close()
-            shutdown = getattr(prepared.spec.env_factory, "shutdown", None)
-            if callable(shutdown):
-                shutdown()  # stop the Ray env workers
-    summary = summarize(finished)
-    (prepared.out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+        release(prepared.out_dir)
+    check_failures(finished, cfg.rollout.fail_fraction, "the rollout")
     return summary
 
 

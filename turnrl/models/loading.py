@@ -5,6 +5,7 @@ Nothing here touches the network: every load passes ``local_files_only=True``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -147,6 +148,25 @@ def _not_found(ms: ModelSpec, what: str) -> ModelNotFoundError:
     )
 
 
+_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_trouble(ms: ModelSpec, err: Exception) -> str:
+    """What is wrong with a model folder's tokenizer files, in one line."""
+    folder = Path(ms.path)
+    if folder.is_dir() and not ms.gguf_file:
+        if not any((folder / name).is_file() for name in _TOKENIZER_NAMES):
+            return f"{folder} has none of {', '.join(_TOKENIZER_NAMES)}"
+        fast = folder / "tokenizer.json"
+        if fast.is_file():
+            try:
+                json.loads(fast.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as exc:
+                return f"{fast} is not valid JSON (cut short?): {exc}"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}"
+
+
 def load_tokenizer(spec: str | ModelSpec) -> PreTrainedTokenizerBase:
     """The model's tokenizer, with a chat template."""
     from transformers import AutoTokenizer
@@ -157,6 +177,10 @@ def load_tokenizer(spec: str | ModelSpec) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(ms.path, local_files_only=True, **kwargs)
     except OSError as err:
         raise _not_found(ms, "tokenizer") from err
+    except Exception as err:  # files there, but not a tokenizer transformers can read
+        raise ModelNotFoundError(
+            f"model {ms.name!r}: cannot load its tokenizer: {_tokenizer_trouble(ms, err)}"
+        ) from None
     if not tokenizer.chat_template and ms.chat_template:
         tokenizer.chat_template = ms.chat_template
     return tokenizer
@@ -174,6 +198,11 @@ def load_model(
         model = _load_gguf(ms, torch_dtype) if ms.gguf_file else _load_pretrained(ms, torch_dtype)
     except OSError as err:
         raise _not_found(ms, "weights") from err
+    except Exception as err:  # a weights file cut short (SafetensorError), a config off
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ModelNotFoundError(
+            f"model {ms.name!r}: cannot load its weights from {ms.path}: {type(err).__name__}: {first}"
+        ) from None
     torch.nn.Module.to(model, device)  # in place; PreTrainedModel.to's wrapper confuses type checkers
     return model.eval()
 

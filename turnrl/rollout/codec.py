@@ -8,6 +8,8 @@ parts ``{"type": "image", "image_index": k}``; the training tensors are left out
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import asdict
 from typing import Any
 
@@ -45,3 +47,22 @@ def trajectory_from_json(record: dict[str, Any]) -> Trajectory:
         data["images"] = [load_image(url) for url in data["images"]]
         data["messages"] = messages_from_json(data["messages"], data["images"])
     return Trajectory(**data)
+
+
+def json_line(record: Any) -> str:
+    """``record`` as one line of strict JSON: a NaN or infinity (a metric an env computed, say),
+    which JSON cannot hold, is written as null."""
+    try:
+        return json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
+    except ValueError:
+        return json.dumps(_finite(record), ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
+from turnrl.rollout.codec import json_line, trajectory_from_json, trajectory_to_json
 from turnrl.rollout.episode import describe, failed_trajectory
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.types import Sample, StopReason, Trajectory, as_abortable
@@ -98,7 +98,7 @@ class JsonlWriter:
 
     def write_record(self, record: dict[str, Any]) -> None:
         """Append one JSON record as a single write."""
-        line = json.dumps(record, ensure_ascii=False) + "\n"
+        line = json_line(record)
         try:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,11 +173,13 @@ def read_trajectories(path: Path) -> list[Trajectory]:
         return [trajectory_from_json(json.loads(line)) for line in f if line.strip()]
 
 
-def recover(path: Path) -> tuple[list[Trajectory], int]:
+def recover(path: Path, say: Callable[[str], None] | None = None) -> tuple[list[Trajectory], int]:
     """Trajectories already on disk, for a resume; returns them and the number of lines dropped.
 
-    A last line cut short by a crash is removed from the file (so appends stay valid JSONL);
-    a pair that somehow appears twice is kept once.
+    A last line cut short by a crash is removed from the file (so appends stay valid JSONL); a
+    pair that somehow appears twice is kept once. A complete line that does not parse (a corrupt
+    record) is moved to ``PATH.corrupt`` and reported through ``say`` with its line number: its
+    trajectory runs again.
     """
     if not path.exists():
         return [], 0
@@ -186,13 +188,19 @@ def recover(path: Path) -> tuple[list[Trajectory], int]:
     dropped = 1 if len(keep) < len(raw) else 0
     trajs: list[Trajectory] = []
     seen: Done = set()
-    lines = keep.decode("utf-8").splitlines(keepends=True)
+    lines = keep.decode("utf-8", errors="replace").splitlines(keepends=True)
     clean: list[str] = []
-    for line in lines:
+    corrupt: list[str] = []
+    for number, line in enumerate(lines, start=1):
         try:
             traj = trajectory_from_json(json.loads(line))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             dropped += 1
+            corrupt.append(line)
+            if say is not None:
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else f"{type(exc).__name__}: {exc}"
+                kept = f"kept in {path.name}.corrupt"
+                say(f"{path}:{number}: a corrupt record ({why}): {kept}, its trajectory runs again")
             continue
         if (traj.group_id, traj.sample_index) in seen:
             dropped += 1
@@ -200,8 +208,35 @@ def recover(path: Path) -> tuple[list[Trajectory], int]:
         seen.add((traj.group_id, traj.sample_index))
         trajs.append(traj)
         clean.append(line)
+    if corrupt:
+        with path.with_name(path.name + ".corrupt").open("a", encoding="utf-8") as f:
+            f.write("".join(corrupt))
     if dropped:
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(clean), encoding="utf-8")
         os.replace(tmp, path)
     return trajs, dropped
+
+
+def keep_turns_of(path: Path, finished: Done) -> int:
+    """Rewrite the turn log ``path`` (turns.jsonl) with only the turns of ``finished`` trajectories:
+    the turns of one cut off by a crash are logged again when it reruns, exactly once. Returns the
+    number of turn records dropped."""
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+        try:
+            group, _, index = json.loads(line)["trajectory"].rpartition("/")
+            done = (group, int(index)) in finished and line.endswith("\n")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            done = False
+        if done:
+            keep.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -17,6 +17,7 @@ from turnrl.chat.encoder import ChatEncoder, ConversationEncoder
 from turnrl.env.base import Env, EnvFactory
 from turnrl.env.caps import cap_messages
 from turnrl.rewards import RewardContext, Rewards
+from turnrl.rollout import env_calls
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.episode import Episode, describe
 from turnrl.rollout.limits import Limits
@@ -74,6 +75,8 @@ class BadReturn(TypeError):
 def _step_result(value: Any) -> StepResult:
     if not isinstance(value, StepResult):
         raise BadReturn(f"step returned {type(value).__name__}, expected a StepResult")
+    if not isinstance(value.reward, int | float) or not math.isfinite(value.reward):
+        raise BadReturn(f"step returned the reward {value.reward!r}, expected a finite number")
     return value
 
 
@@ -88,19 +91,27 @@ def _prompt(value: Any) -> list[Message]:
 
 
 async def _call_env(
-    coro_fn: Any, limits: Limits, failures: dict[str, int], check: Callable[[Any], Any]
+    env: Env,
+    name: str,
+    coro_fn: Any,
+    limits: Limits,
+    failures: dict[str, int],
+    check: Callable[[Any], Any],
 ) -> tuple[Any, int]:
-    """Call an env coroutine with a timeout, retrying failures; return (checked result, retries).
+    """Call an env coroutine (``env``'s ``name`` method) with a timeout (``env_calls.call``),
+    retrying failures; return (checked result, retries).
 
-    Every failure is counted in ``failures`` by kind (``timeout``, ``bad_return`` or the
-    exception's type).
+    Every failure is counted in ``failures`` by kind (``timeout``, ``blocked_loop``,
+    ``bad_return`` or the exception's type).
     """
     errors: list[str] = []
     for attempt in range(limits.max_env_retries_per_turn + 1):
         try:
-            return check(await asyncio.wait_for(coro_fn(), limits.env_timeout_s)), attempt
+            return check(await env_calls.call(env, name, coro_fn, limits.env_timeout_s)), attempt
         except TimeoutError:
             kind, message = "timeout", f"timed out after {limits.env_timeout_s}s"
+        except env_calls.BlockedLoop as exc:
+            kind, message = "blocked_loop", str(exc)
         except BadReturn as exc:
             kind, message = "bad_return", str(exc)
         except Exception as exc:
@@ -151,7 +162,11 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
     ep = Episode(sample, sample_index)
     try:
         env = spec.env_factory(sample)
-    except Exception as exc:  # a trajectory that cannot start still comes back, with its reason
+    except (
+        Exception,
+        SystemExit,
+        KeyboardInterrupt,
+    ) as exc:  # a trajectory that cannot start still comes back
         return ep.fail(StopReason.ENV_ERROR, f"env: {describe(exc)}")
     try:
         return await _episode(ep, env, spec)
@@ -200,7 +215,7 @@ async def _episode(ep: Episode, env: Env, spec: RolloutSpec) -> Trajectory:
 async def _reset(ep: Episode, env: Env, spec: RolloutSpec) -> list[Message]:
     """The env's prompt; on failure the sample's, with the episode ended as env_error."""
     try:
-        prompt, retries = await _call_env(env.reset, spec.limits, ep.failures, _prompt)
+        prompt, retries = await _call_env(env, "reset", env.reset, spec.limits, ep.failures, _prompt)
     except EnvFailure as exc:
         ep.env_retries += exc.attempts - 1
         ep.end(StopReason.ENV_ERROR, f"reset: {exc}")
@@ -268,7 +283,8 @@ async def _env_step(ep: Episode, env: Env, spec: RolloutSpec, turn: Turn) -> Ste
     """The env's answer to a model turn, recorded on the turn; None when the env failed for good."""
     t0 = time.perf_counter()
     try:
-        result, retries = await _call_env(lambda: env.step(turn.text), spec.limits, ep.failures, _step_result)
+        step = lambda: env.step(turn.text)  # noqa: E731
+        result, retries = await _call_env(env, "step", step, spec.limits, ep.failures, _step_result)
     except EnvFailure as exc:
         ep.record.messages.append(_assistant_message(turn.text, None))
         ep.env_retries += exc.attempts - 1
@@ -330,7 +346,7 @@ def _observe(
         messages, cut = cap_messages(messages, spec.limits.max_observation_chars)
         ep.observations_truncated += cut
         obs = conv.observation(messages, ep.last_token_text)
-    except Exception as exc:  # a bad observation ends this trajectory, not the run
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a bad observation ends this trajectory only
         ep.end(StopReason.ENV_ERROR, f"observation: {describe(exc)}")
         return False
     seconds = ep.clock("time/encode", t0)
@@ -349,10 +365,24 @@ async def _finish(ep: Episode, env: Env, conv: ConversationEncoder, spec: Rollou
     """The trajectory with its reward (scored while the env is alive), sanity check and metrics."""
     _notify(spec, ep)
     traj = ep.trajectory()
+    # env.score is env code, bounded by the env timeout; a reward function (a judge) is not
+    timeout = spec.limits.env_timeout_s if spec.rewards.fn_for(ep.sample.data_source) is None else None
     try:
-        traj.reward = await spec.rewards.score(RewardContext(ep.sample, traj, env))
+        score = lambda: spec.rewards.score(RewardContext(ep.sample, traj, env))  # noqa: E731
+        reward = await env_calls.call(env, "score", score, timeout)
+    except TimeoutError:
+        traj.metrics["reward_error"] = f"score timed out after {timeout}s"
     except Exception as exc:
         traj.metrics["reward_error"] = describe(exc)
+    else:
+        if math.isfinite(reward):
+            traj.reward = reward
+        else:  # 0 would be a false signal: the trajectory failed
+            traj.stop_reason, traj.error = (
+                StopReason.ENV_ERROR,
+                f"score: the reward is {reward!r}, not a finite number",
+            )
+            traj.metrics["reward_error"] = traj.error
     _finish_metrics(traj, conv, ep.last_token_text, spec.check, ep.record.images)
     if spec.mask_offpolicy:
         _mask_offpolicy(traj, ep.record.policy_versions)
@@ -428,7 +458,8 @@ def _notify(spec: RolloutSpec, ep: Episode) -> None:
 async def _close(env: Env, timeout_s: float | None) -> None:
     """Close the env; an error or a hang past ``timeout_s`` never loses a finished trajectory."""
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(env.close(), timeout_s)
+        await env_calls.call(env, "close", env.close, timeout_s)
+    env_calls.release(env)
 
 
 def _finish_metrics(

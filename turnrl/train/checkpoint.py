@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import yaml
 
 from turnrl.config import dump_config
+from turnrl.run_folder import claim, set_aside
 from turnrl.train.config import TrainConfig
 
 CHECKPOINTS = "checkpoints"
@@ -109,13 +111,47 @@ def restore_training_state(
     return int(json.loads((path / "state.json").read_text())["step"])
 
 
-def latest(out_dir: Path) -> Resumed | None:
-    """The newest complete checkpoint in ``out_dir``, if any."""
+def damage(path: Path) -> str | None:
+    """What is wrong with the checkpoint folder ``path`` (a file missing or cut short), or None
+    when every file it needs reads: its state, the model's config and weights' headers, the
+    optimizer and RNG archives."""
+    from safetensors import safe_open
+
+    try:
+        int(json.loads((path / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"state.json: {exc}"
+    model = path / "model"
+    if not (model / "config.json").is_file():
+        return "model/config.json is missing"
+    weights = sorted(model.glob("*.safetensors"))
+    if not weights:
+        return "model/ has no .safetensors weights"
+    for file in weights:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                list(f.keys())
+        except Exception as exc:
+            return f"model/{file.name}: {exc}"
+    for name in ("optimizer.pt", "rng.pt"):
+        if not zipfile.is_zipfile(path / name):
+            return f"{name} is missing or cut short"
+    return None
+
+
+def latest(out_dir: Path, say: Callable[[str], None] | None = None) -> Resumed | None:
+    """The newest intact checkpoint in ``out_dir``, if any; a damaged newer one is passed over,
+    said through ``say``."""
     dirs = checkpoint_dirs(out_dir)
-    if not dirs:
-        return None
-    step = int(json.loads((dirs[-1] / "state.json").read_text())["step"])
-    return Resumed(step, dirs[-1] / "model")
+    for path in reversed(dirs):
+        wrong = damage(path)
+        if wrong is None:
+            return Resumed(int(json.loads((path / "state.json").read_text())["step"]), path / "model")
+        if say is not None:
+            say(f"checkpoint {path} is damaged ({wrong}): trying the one before")
+    if dirs:
+        raise ValueError(f"cannot resume: every checkpoint in {out_dir / CHECKPOINTS} is damaged")
+    return None
 
 
 def check_resumable(config: TrainConfig, out_dir: Path) -> None:
@@ -133,14 +169,25 @@ def check_resumable(config: TrainConfig, out_dir: Path) -> None:
 OUTPUTS = ("config.yaml", "metrics.jsonl", "rewards.png", CHECKPOINTS, "eval", "rollouts", "tensorboard")
 
 
-def plan_output(config: TrainConfig, overwrite: bool, resume: bool) -> Resumed | None:
-    """Check the output folder (writing nothing); the checkpoint to resume from, if any."""
+def plan_output(
+    config: TrainConfig,
+    overwrite: bool,
+    resume: bool,
+    writer: bool = True,
+    say: Callable[[str], None] | None = None,
+) -> Resumed | None:
+    """Check the output folder; the checkpoint to resume from, if any. The ``writer`` (rank 0)
+    locks the folder for the rest of the process: one run writes it at a time."""
     out = Path(config.output_dir)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
-    if resume and (out / "config.yaml").exists():
+    if resume and not (out / "config.yaml").exists():
+        raise ValueError(f"cannot resume: {out} holds no training run (no config.yaml); run without --resume")
+    if writer:
+        claim(out)
+    if resume:
         check_resumable(config, out)
-        return latest(out)
+        return latest(out, say)
     if not resume and not overwrite and holds_run(out):
         raise ValueError(f"{out} already holds a training run (pass --resume, --overwrite or set output_dir)")
     return None
@@ -152,13 +199,11 @@ def holds_run(out: Path) -> bool:
 
 
 def start_output(config: TrainConfig, resumed: Resumed | None) -> None:
-    """Prepare the output folder once the run is known to start: a new run removes only what a
-    training run writes (``OUTPUTS``), never the folder, and saves its config."""
+    """Prepare the output folder once the run is known to start: a new run moves aside only what a
+    training run writes (``OUTPUTS``, into ``.replaced``), never the folder, and saves its config."""
     out = Path(config.output_dir)
-    if resumed is None:
-        for name in OUTPUTS:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    if resumed is None:  # an --overwrite: the old run is kept aside until the new one has trained a step
+        set_aside(out, OUTPUTS)
     out.mkdir(parents=True, exist_ok=True)
     if resumed is None or not (out / "config.yaml").exists():
         (out / "config.yaml").write_text(yaml.safe_dump(dump_config(config), sort_keys=False))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from turnrl.config import (
     DataConfig,
@@ -229,7 +229,9 @@ class TrainConfig(RunSections):
     """Where metrics.jsonl, checkpoints and rollouts go."""
 
     @model_validator(mode="after")
-    def _trainable_setup(self) -> TrainConfig:
+    def _trainable_setup(self, info: ValidationInfo) -> TrainConfig:
+        if (info.context or {}).get("purpose") == "eval":
+            return self  # `turnrl eval` only rolls out: any engine, any group size
         if not isinstance(self.engine, HFEngineConfig | VLLMEngineConfig):
             raise ValueError(
                 f"turnrl train needs an engine whose weights it updates: engine.kind {self.engine.kind!r} "
@@ -280,6 +282,9 @@ def policy_device(config: TrainConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML train config, apply ``--set`` overrides, validate."""
-    return load_model_config(path, TrainConfig, overrides)
+def load_train_config(
+    path: str | Path, overrides: list[str] | None = None, purpose: str = "train"
+) -> TrainConfig:
+    """Read a YAML train config, apply ``--set`` overrides, validate (for ``purpose`` "eval":
+    without what only training needs, such as an engine whose weights it updates)."""
+    return load_model_config(path, TrainConfig, overrides, {"purpose": purpose})

@@ -96,13 +96,21 @@ def barrier(ranks: Ranks) -> None:
         dist.barrier()
 
 
-def sum_across(values: Sequence[float], ranks: Ranks, device: torch.device | str = "cpu") -> list[float]:
+def for_collectives(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the device the process group's backend reduces on: NCCL takes CUDA tensors
+    only (this rank's GPU), gloo CPU ones."""
+    import torch.distributed as dist
+
+    return tensor.cuda() if dist.get_backend() == "nccl" else tensor
+
+
+def sum_across(values: Sequence[float], ranks: Ranks) -> list[float]:
     """Each value summed over the ranks (float64)."""
     if not ranks.distributed:
         return list(values)
     import torch.distributed as dist
 
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    tensor = for_collectives(torch.tensor(list(values), dtype=torch.float64))
     dist.all_reduce(tensor)
     return [float(v) for v in tensor.tolist()]
 

@@ -11,8 +11,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from turnrl.app.engines import build_engine
 from turnrl.app.parts import RunError, build_env_factory, build_spec, load_samples
+from turnrl.app.preflight import check_run, check_template
 from turnrl.app.run import SERVERS, check_writable
 from turnrl.env.registry import resolve_env
+from turnrl.rollout.failures import FAILURES
 from turnrl.train.config import TrainConfig
 from turnrl.train.evaluation import EVAL_SEED_OFFSET, EvalRow, report_table, run_eval
 from turnrl.types import Trajectory
@@ -47,7 +49,7 @@ def _progress(console: Console) -> Progress:
         TextColumn("[bold]eval"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("reward {task.fields[reward]:.3f}"),
+        TextColumn("reward {task.fields[reward]}  failed {task.fields[failed]}"),
         TimeElapsedColumn(),
         console=console,
     )
@@ -63,6 +65,7 @@ async def evaluate_config(
     samples = load_samples(config.eval.data, entry)
     check_writable(out_dir)
     env_factory = build_env_factory(config.env, entry)
+    check_run(config.env.name, samples, env_factory)
     if checkpoint is not None:
         with console.status(f"reading {checkpoint}"):
             model = checkpoint_model(checkpoint, config.model, out_dir)
@@ -72,13 +75,19 @@ async def evaluate_config(
     spec = build_spec(config, engine, tokenizer, env_factory)
     total = len(samples) * config.eval.group_size
     seen: list[float] = []
+    failed: list[Trajectory] = []
     try:
+        check_template(spec.encoder, samples[0])
         with _progress(console) as bar:
-            task = bar.add_task("eval", total=total, reward=0.0)
+            task = bar.add_task("eval", total=total, reward="-", failed=0)
 
             def on_done(traj: Trajectory) -> None:
-                seen.append(traj.reward)
-                bar.update(task, advance=1, reward=sum(seen) / len(seen))
+                if traj.stop_reason in FAILURES:  # its 0 says nothing of the model
+                    failed.append(traj)
+                else:
+                    seen.append(traj.reward)
+                mean = f"{sum(seen) / len(seen):.3f}" if seen else "-"
+                bar.update(task, advance=1, reward=mean, failed=len(failed))
 
             return await run_eval(
                 samples,
@@ -86,6 +95,7 @@ async def evaluate_config(
                 config.eval,
                 config.seed + EVAL_SEED_OFFSET,  # the trainer's evaluation seeds: the numbers compare
                 concurrency=config.rollout.concurrency,
+                fail_fraction=config.rollout.fail_fraction,
                 out_path=out_dir / EVAL_FILE,
                 on_done=on_done,
             )

@@ -23,6 +23,7 @@ from typing import Any
 from rich.table import Table
 
 from turnrl.rollout.collector import OnDone, collect
+from turnrl.rollout.failures import check_failures
 from turnrl.rollout.loop import RolloutSpec
 from turnrl.train.config import EvalConfig
 from turnrl.types import Sample, Trajectory
@@ -161,10 +162,12 @@ async def run_eval(
     concurrency: int,
     out_path: Path,
     on_done: OnDone | None = None,
+    fail_fraction: float = 0.5,
 ) -> tuple[list[Trajectory], list[EvalRow]]:
     """Roll out ``samples`` with the evaluation's sampling (``config.temperature``, base ``seed``:
-    the same at every evaluation, so they compare), ``config.group_size`` per prompt, trajectories
-    written to ``out_path`` (``.jsonl``); then the rows, also written beside it as ``.json``."""
+        the same at every evaluation, so they compare), ``config.group_size`` per prompt, trajectories
+        written to ``out_path`` (``.jsonl``); then the rows, also written beside it as ``.json``. More
+    than ``fail_fraction`` of them failed: ``RunFailed``, and no rows."""
     sampling = dataclasses.replace(spec.sampling, temperature=config.temperature, seed=seed)
     out_path.unlink(missing_ok=True)
     trajs = await collect(
@@ -175,6 +178,7 @@ async def run_eval(
         out_path=out_path,
         on_done=on_done,
     )
+    check_failures(trajs, fail_fraction, "the evaluation")  # its trajectories stay on disk
     rows = eval_rows(trajs, config.k, config.pass_reward)
     about = {
         "prompts": len(samples),

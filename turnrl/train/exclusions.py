@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from turnrl.rollout.failures import FAILURES
 from turnrl.train.advantages import TurnAdvantages, groups
 from turnrl.train.batch import TrainSample
-from turnrl.types import StopReason, Trajectory
+from turnrl.types import Trajectory
 
-FAILURES = frozenset({StopReason.ENGINE_ERROR, StopReason.ENV_ERROR, StopReason.INTERNAL_ERROR})
-"""Stops that say the infrastructure failed, not the model."""
+__all__ = ["FAILURES", "exclude_failures", "exclusion_metrics"]
 
 
 def exclude_failures(trajs: Sequence[Trajectory], keep: bool) -> tuple[list[Trajectory], Counter[str]]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from turnrl.train.batch import Batch, TrainSample, collate
-from turnrl.train.data_parallel import Ranks
+from turnrl.train.data_parallel import Ranks, for_collectives
 from turnrl.train.logprobs import token_logprobs
 
 
@@ -91,7 +91,7 @@ def most_across(count: int, ranks: Ranks) -> int:
         return count
     import torch.distributed as dist
 
-    tensor = torch.tensor([count], dtype=torch.int64)
+    tensor = for_collectives(torch.tensor([count], dtype=torch.int64))
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
 
@@ -120,6 +120,7 @@ def agree_on_sharing(marked: list[tuple[Batch, bool]], ranks: Ranks) -> list[tup
     import torch.distributed as dist
 
     votes = torch.tensor([bool(b.shared_prefix) or not real for b, real in marked], dtype=torch.int64)
+    votes = for_collectives(votes)
     dist.all_reduce(votes, op=dist.ReduceOp.MIN)
     out = []
     for (batch, real), vote in zip(marked, votes.tolist(), strict=True):

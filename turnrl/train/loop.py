@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import io
 import shutil
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from turnrl.config import HFEngineConfig
+from turnrl.run_folder import FAILED, drop_aside, put_back, release
+from turnrl.train.checkpoint import OUTPUTS
 from turnrl.train.config import TrainConfig, policy_device
 from turnrl.train.data_parallel import Ranks, close_ranks, init_ranks, launched_ranks
 from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plot_rewards
@@ -32,8 +35,18 @@ async def train_async(
         with console.status(f"loading {config.model} and checking the run's inputs"):
             run = build_run(config, overwrite, resume, console, ranks)
         return await _train_loop(run)
+    except BaseException:
+        out = Path(config.output_dir)
+        if ranks.main and put_back(out, OUTPUTS):
+            console.print(
+                f"{out}: the new run stopped before its first step, so the run it replaced is put back; "
+                f"what the new one wrote is in {out / FAILED}"
+            )
+        raise
     finally:
         close_ranks(ranks)
+        if ranks.main:
+            release(Path(config.output_dir))
 
 
 def _join_ranks(config: TrainConfig) -> tuple[TrainConfig, Ranks]:
@@ -75,6 +88,8 @@ async def _train_loop(run: Run) -> dict[str, Any]:
                     metrics |= await evaluate(run, step)
                 run.step = step
                 log.log(step, steps, metrics)
+                if step == first + 1 and main:
+                    drop_aside(run.out_dir)  # the run an --overwrite replaced goes only now
                 if _due(step, config.train.save_every, steps):
                     _save(run, step)
                 run.progress.step_done(step)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
+from turnrl.rollout.codec import json_line
 from turnrl.types import Trajectory
 
 METRICS = "metrics.jsonl"
@@ -178,7 +179,7 @@ class MetricsLog:
         kept = read_metrics(self.path) if resume_step is not None else []
         self.records = [r for r in kept if resume_step is not None and r["step"] <= resume_step]
         if write:
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            self.path.write_text("".join(json_line(r) for r in self.records))
 
     def log(self, step: int, steps: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` for ``step``."""
@@ -187,7 +188,7 @@ class MetricsLog:
         if not self.write:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json_line(record))
         self.console.print(_console_line(step, steps, metrics), highlight=False, soft_wrap=True)
         if self.tracker is not None:
             self.tracker.log(metrics, step)

@@ -36,6 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from turnrl.app.engines import hf_engine_options, local_engine
 from turnrl.app.parts import build_env_factory, build_spec, load_samples
+from turnrl.app.preflight import check_run, check_template
 from turnrl.app.run import SERVERS
 from turnrl.config import ConfigError, HFEngineConfig, VLLMEngineConfig
 from turnrl.engines.hf import HFEngine
@@ -45,6 +46,7 @@ from turnrl.models import ModelSpec, load_model, load_tokenizer, load_vision_pro
 from turnrl.openmp import release_pool
 from turnrl.rollout.collector import OnDone, collect
 from turnrl.rollout.control import RolloutControl
+from turnrl.rollout.failures import check_failures
 from turnrl.rollout.loop import RolloutSpec
 from turnrl.train.advantages import compute_advantages, groups
 from turnrl.train.batch import (
@@ -144,7 +146,7 @@ def build_run(
     config: TrainConfig, overwrite: bool, resume: bool, console: Console, ranks: Ranks = SINGLE
 ) -> Run:
     """Check the output folder, load data, models, optimizer and engine; restore a checkpoint."""
-    resumed = plan_output(config, overwrite, resume)
+    resumed = plan_output(config, overwrite, resume, writer=ranks.main, say=console.print)
     barrier(ranks)  # every rank has checked the folder before rank 0 writes to it
     hf_logging.disable_progress_bar()
     torch.manual_seed(config.seed)
@@ -152,6 +154,8 @@ def build_run(
     entry = resolve_env(config.env.name)
     samples = load_samples(config.data, entry)
     eval_samples = load_samples(config.eval.data, entry) if config.eval.data else []
+    env_factory = build_env_factory(config.env, entry)
+    check_run(config.env.name, samples, env_factory)
     spec = resolve_model(config.model)
     tokenizer = load_tokenizer(spec)
     device = policy_device(config)
@@ -170,7 +174,8 @@ def build_run(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
     )
-    rollout = build_spec(config, engine, tokenizer, build_env_factory(config.env, entry))
+    rollout = build_spec(config, engine, tokenizer, env_factory)
+    check_template(rollout.encoder, samples[0])
     rollout = dataclasses.replace(
         rollout,
         # each turn's inference-time context is recorded
@@ -343,7 +348,9 @@ async def learn(
     (overlapped training) go on meanwhile."""
     cfg = run.config
     t1 = time.perf_counter()
-    metrics = rollout_metrics(_every_ranks(rolled, run.ranks)) | counts.metrics()
+    every = _every_ranks(rolled, run.ranks)  # every rank decides alike
+    check_failures(every, cfg.rollout.fail_fraction, f"training step {run.step + 1}")
+    metrics = rollout_metrics(every) | counts.metrics()
     advantages = compute_advantages(cfg.algorithm.advantage, trajs, cfg.algorithm.advantage_options())
     samples = build_samples(cfg.algorithm.samples, trajs, advantages, cfg.algorithm.loss_turns)
     tokens = sum(sum(s.loss_mask) for s in samples)
@@ -541,6 +548,7 @@ async def evaluate(run: Run, step: int, name: str = "") -> dict[str, float]:
         cfg.eval,
         cfg.seed + EVAL_SEED_OFFSET,  # the same at every evaluation, so they compare
         concurrency=cfg.rollout.concurrency,
+        fail_fraction=cfg.rollout.fail_fraction,
         out_path=run.out_dir / "eval" / f"{name or f'step_{step:06d}'}.jsonl",
         on_done=run.phase(f"eval {name or step}", len(run.eval_samples) * cfg.eval.group_size),
     )

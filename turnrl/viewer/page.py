@@ -52,11 +52,19 @@ def read_run(run_dir: Path) -> Run:
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Each non-blank line as a trajectory dict, tagged with its line number."""
+    """Each non-blank line as a trajectory dict, tagged with its line number. A last line without
+    its newline that does not parse is a record cut short (a run being written, or killed): it is
+    left out, as ``--resume`` drops it."""
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
-            if line.strip():
-                yield {**_parse_line(line, path, number), "line": number}
+            if not line.strip():
+                continue
+            if not line.endswith("\n"):
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError:
+                    return
+            yield {**_parse_line(line, path, number), "line": number}
 
 
 def _parse_line(line: str, path: Path, number: int) -> dict[str, Any]:

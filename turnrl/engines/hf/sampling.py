@@ -48,11 +48,13 @@ def _draw_rows(logprobs_B_V: torch.Tensor, generators: Sequence[torch.Generator]
     if full < vocab:  # the last, partial block
         sums_B_N = torch.cat([sums_B_N, w_B_V[:, full:].sum(-1, dtype=torch.float64)[:, None]], 1)
     cdf_B_N = torch.cumsum(sums_B_N, -1)
+    # the generators are the requests' own, on the CPU (their draws do not depend on the device)
     u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    u_B = u_B.to(w_B_V.device)
     target_B1 = (u_B * cdf_B_N[:, -1])[:, None]
     block_B1 = torch.searchsorted(cdf_B_N, target_B1, right=True).clamp_(max=cdf_B_N.shape[1] - 1)
     before_B1 = torch.where(block_B1 > 0, cdf_B_N.gather(1, (block_B1 - 1).clamp(min=0)), 0.0)
-    ids_B_K = block_B1 * _BLOCK + torch.arange(_BLOCK)
+    ids_B_K = block_B1 * _BLOCK + torch.arange(_BLOCK, device=w_B_V.device)
     inside_B_K = w_B_V.gather(1, ids_B_K.clamp(max=vocab - 1)).double().masked_fill_(ids_B_K >= vocab, 0.0)
     within_B1 = torch.searchsorted(torch.cumsum(inside_B_K, -1) + before_B1, target_B1, right=True)
     return (block_B1 * _BLOCK + within_B1)[:, 0].clamp_(max=vocab - 1).tolist()

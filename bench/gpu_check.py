@@ -1,0 +1,219 @@
+"""The GPU check, in one call: does turnrl run on this GPU, and how fast against the usual baselines.
+
+1. Builds a random-init Qwen3 in Qwen3-0.6B's shape (28 layers x 1024, 596M parameters) with the
+   real Qwen3 tokenizer, on this machine (nothing is downloaded; the weights are not carried).
+2. ``engine``: the embedded engine against transformers ``generate``, bfloat16, on the GPU
+   (``bench/engine_speed.py``: 64 requests x 256 tokens, median of 2).
+3. ``trainer``: a GRPO step on turnrl's path against TRL's ``GRPOTrainer.compute_loss``, under
+   bfloat16 autocast, tokens/s and peak CUDA memory above the loaded model for both
+   (``bench/trainer_speed.py``: 32 rows x (256 + <= 768) tokens, median of 2).
+4. ``train``: ``turnrl train examples/train_key_lookup.yaml`` on that model for 3 steps with
+   ``engine.device=cuda``: its exit code, the share of trajectories that ended in an error, the
+   mean step time.
+5. ``train 2 GPUs``: the same, data-parallel under ``torchrun --nproc-per-node 2``, when there are 2.
+
+Prints each part's output as it comes, then one table. Exits 1 when a part failed.
+
+    bash scripts/gpu_check.sh [--quick]     # --quick: smaller workloads, for a first look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_model(out: Path, layers: int = 28) -> Path:
+    """Qwen3-0.6B's shape (``layers`` of its 28), random weights (seeded), saved in bfloat16 with
+    the real tokenizer."""
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from turnrl.models.files import QWEN3_EOS_IDS, qwen3_tokenizer_dir
+
+    tokenizer_dir = qwen3_tokenizer_dir()
+    config = Qwen3Config(
+        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)),
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=QWEN3_EOS_IDS[0],
+        pad_token_id=QWEN3_EOS_IDS[1],
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialized where it is fast
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        eos_token_id=list(QWEN3_EOS_IDS), pad_token_id=QWEN3_EOS_IDS[1]
+    )
+    model.save_pretrained(out)
+    for file in tokenizer_dir.iterdir():
+        if file.is_file():
+            shutil.copyfile(file, out / file.name)
+    return out
+
+
+def run(name: str, command: list[str], timeout: float) -> tuple[int, str, float]:
+    """Run a part, echoing its output; (exit code, output, seconds)."""
+    print(f"\n=== {name}: {' '.join(command)}", flush=True)
+    t0 = time.perf_counter()
+    lines = []
+    with subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as p:
+        assert p.stdout is not None
+        deadline = t0 + timeout
+        for line in p.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+            if time.perf_counter() > deadline:
+                p.kill()
+                lines.append(f"killed after {timeout:.0f} s\n")
+                break
+        code = p.wait()
+    return code, "".join(lines), time.perf_counter() - t0
+
+
+def last_line(output: str) -> str:
+    """The last non-empty line of ``output`` (what a failed part said last)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "no output"
+
+
+def last_json(output: str) -> dict[str, Any]:
+    """The last line of ``output`` that is a JSON object ({} if none)."""
+    for line in reversed(output.splitlines()):
+        if line.startswith("{"):
+            try:
+                return dict(json.loads(line))
+            except ValueError:
+                continue
+    return {}
+
+
+def train_rows(label: str, code: int, seconds: float, out: Path) -> list[tuple[str, str, str]]:
+    """The table row of a ``turnrl train`` run from its exit code and metrics."""
+    metrics_file = out / "metrics.jsonl"
+    steps = (
+        [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
+    )
+    steps = [s for s in steps if "time/step" in s or "time/rollout" in s]
+    errors = max((s.get("stop/engine_error", 0.0) for s in steps), default=float("nan"))
+    step_s = sum(s.get("time/step", s.get("time/rollout", 0.0) + s.get("time/train", 0.0)) for s in steps)
+    mean = step_s / len(steps) if steps else float("nan")
+    ok = code == 0 and steps and errors == 0.0
+    detail = (
+        f"exit {code}, {len(steps)} steps, engine errors {errors:.0%} of trajectories, {mean:.1f} s a step"
+    )
+    return [(label, "ok" if ok else "FAILED", f"{detail} ({seconds:.0f} s in all)")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--layers", type=int, default=28, help="fewer layers than 0.6B's 28 (a dry run)")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_check: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    card = torch.cuda.get_device_name(0) if gpus else "CPU"
+    py = sys.executable
+    rows: list[tuple[str, str, str]] = [("machine", "ok", f"{gpus} x {card}, torch {torch.__version__}")]
+    work = Path(tempfile.mkdtemp(prefix="turnrl-gpu-check-"))
+    t0 = time.perf_counter()
+    model = str(build_model(work / "qwen3-0.6b-shape", args.layers))
+    built = (
+        f"Qwen3-0.6B shape ({args.layers} layers), random weights, built in {time.perf_counter() - t0:.0f} s"
+    )
+    rows.append(("model", "ok", built))
+
+    requests, tokens = ("16", "64") if args.quick else ("64", "256")
+    engine = [py, "bench/engine_speed.py", "--model", model, "--device", args.device, "--dtype", "bfloat16"]
+    code, out, secs = run(
+        "engine", [*engine, "--requests", requests, "--tokens", tokens, "--repeats", "2", "--json"], 240
+    )
+    med = last_json(out)
+    if code == 0 and med:
+        ratio = med["embedded"] / med["generate"]
+        detail = f"embedded {med['embedded']:.0f} tok/s, generate {med['generate']:.0f} tok/s: x{ratio:.2f}"
+        rows.append((f"engine ({requests} x {tokens} tokens, bf16)", "ok", detail))
+    else:
+        rows.append(("engine", "FAILED", f"exit {code} after {secs:.0f} s: {last_line(out)}"))
+
+    shape = (
+        ["--rows", "8", "--prompt", "128", "--completion", "256"]
+        if args.quick
+        else ["--rows", "32", "--prompt", "256", "--completion", "768"]
+    )
+    trainer = [py, "bench/trainer_speed.py", "--model", model, "--device", args.device, "--bf16", *shape]
+    code, out, secs = run(
+        "trainer", [*trainer, "--steps", "2", "--repeats", "2", "--sides", "turnrl,trl", "--json"], 300
+    )
+    res = last_json(out)
+    if code == 0 and res:
+        rates, peak = res["rates"], res["cuda_peak_mib"] or res["extra_mib"]
+        memory = "CUDA peak" if res["cuda_peak_mib"] else "peak RSS"
+        detail = (
+            f"turnrl {rates['turnrl']:.0f} tok/s, TRL {rates['trl']:.0f} tok/s: "
+            f"x{rates['turnrl'] / rates['trl']:.2f}; "
+            f"{memory} above the model: turnrl {peak['turnrl']:.0f} MiB, TRL {peak['trl']:.0f} MiB"
+        )
+        rows.append(("trainer step vs TRL (bf16 autocast)", "ok", detail))
+    else:
+        rows.append(("trainer step vs TRL", "FAILED", f"exit {code} after {secs:.0f} s: {last_line(out)}"))
+
+    sets = [
+        "--set", f"model={model}", "--set", f"engine.device={args.device}", "--set", "train.steps=3",
+        "--set", "train.save_every=3", "--set", "eval.every=3", "--set", "warm_start.epochs=1",
+    ]  # fmt: skip
+    out_dir = work / "train"
+    command = [
+        py,
+        "-m",
+        "turnrl.cli",
+        "train",
+        "examples/train_key_lookup.yaml",
+        *sets,
+        "--set",
+        f"output_dir={out_dir}",
+    ]
+    code, _, secs = run("train", command, 300)
+    rows += train_rows("turnrl train, 3 steps on CUDA", code, secs, out_dir)
+    if gpus >= 2:
+        out_dir = work / "train-dp"
+        torchrun = [py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "turnrl.cli", "train"]
+        sets[5] = "train.steps=1"
+        command = [*torchrun, "examples/train_key_lookup.yaml", *sets, "--set", f"output_dir={out_dir}"]
+        code, _, secs = run("train, 2 GPUs", command, 300)
+        rows += train_rows("turnrl train, 2 ranks data-parallel", code, secs, out_dir)
+
+    print(f"\nturnrl GPU check, {time.strftime('%Y-%m-%d')}, {gpus} x {card}")
+    width = max(len(r[0]) for r in rows)
+    for name, status, detail in rows:
+        print(f"| {name:<{width}} | {status:<6} | {detail} |")
+    shutil.rmtree(work, ignore_errors=True)
+    sys.exit(1 if any(status != "ok" for _, status, _ in rows) else 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()

@@ -1,0 +1,82 @@
+"""Checks a run makes before its first trajectory, so that a mistake is one line and exit 2 at once
+rather than every trajectory failing: the prompts, the env (built once), the chat template.
+
+A mistake these miss still stops the run early: more than ``rollout.fail_fraction`` of the
+trajectories failing is ``RunFailed`` (``turnrl.rollout.failures``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+from turnrl.app.parts import EnvRouter, RunError
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.env.base import Env, EnvFactory
+from turnrl.types import Sample
+
+
+def check_prompts(samples: Sequence[Sample]) -> None:
+    """Every prompt message has a role and a content (or tool calls)."""
+    for sample in samples:
+        for i, message in enumerate(sample.prompt):
+            if not isinstance(message, dict) or "role" not in message:
+                raise RunError(f"data row {sample.id!r}: prompt message {i} has no 'role'")
+            if "content" not in message and not message.get("tool_calls"):
+                raise RunError(f"data row {sample.id!r}: prompt message {i} has no 'content'")
+
+
+def check_env(name: str, factory: EnvFactory, first: Sample) -> None:
+    """Build the env of the first row once (in this process): it must build, and be an ``Env``.
+    This is where a misspelt tool parser, a missing tool or a sandbox without bubblewrap shows."""
+    if not isinstance(factory, EnvRouter):  # envs in Ray workers are built there
+        return
+    try:
+        env = factory(first)
+    except Exception as exc:
+        raise RunError(f"env {name!r} cannot be built: {type(exc).__name__}: {exc}") from None
+    if not isinstance(env, Env):
+        raise RunError(
+            f"env {name!r} made a {type(env).__name__}, not a turnrl Env: subclass turnrl.Env "
+            "(docs/environments.md)"
+        )
+    _close_soon(env)
+
+
+_closing: set[asyncio.Task[None]] = set()  # closes in flight (a task nobody holds may vanish)
+
+
+def _close_soon(env: Env) -> None:
+    """Close the env built for the check (now, or on the running loop)."""
+    with contextlib.suppress(Exception):
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(asyncio.wait_for(env.close(), 10))
+        else:
+            task = loop.create_task(env.close())
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+
+
+def check_template(encoder: ChatEncoder, first: Sample) -> None:
+    """The chat template renders the first row's prompt, to at least one token."""
+    if not first.prompt:
+        return  # the env's reset makes the prompt
+    try:
+        ids = encoder.conversation().prompt(list(first.prompt)).ids
+    except Exception as exc:
+        raise RunError(
+            f"the chat template cannot render the first prompt: {type(exc).__name__}: {exc}"
+        ) from None
+    if not ids:
+        raise RunError("the chat template renders the first prompt as no tokens at all: check chat.template")
+
+
+def check_run(name: str, samples: Sequence[Sample], factory: EnvFactory) -> None:
+    """``check_prompts`` and ``check_env``, before any model loads."""
+    if not samples:
+        raise RunError("no data: the data has no rows")
+    check_prompts(samples)
+    check_env(name, factory, samples[0])
