@@ -49,13 +49,18 @@ def trajectory_from_json(record: dict[str, Any]) -> Trajectory:
     return Trajectory(**data)
 
 
-def json_line(record: Any) -> str:
-    """``record`` as one line of strict JSON: a NaN or infinity (a metric an env computed, say),
-    which JSON cannot hold, is written as null."""
+def strict_json(value: Any) -> str:
+    """``value`` as strict JSON: a NaN or infinity (a metric an env computed, say), which JSON
+    cannot hold, is written as null."""
     try:
-        return json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
     except ValueError:
-        return json.dumps(_finite(record), ensure_ascii=False, allow_nan=False) + "\n"
+        return json.dumps(_finite(value), ensure_ascii=False, allow_nan=False)
+
+
+def json_line(record: Any) -> str:
+    """``record`` as one line of strict JSON (``strict_json``)."""
+    return strict_json(record) + "\n"
 
 
 def _finite(value: Any) -> Any:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from turnrl.rollout.codec import strict_json
 from turnrl.viewer.assets import PAGE_CSS, PAGE_JS, PAGE_TEMPLATE
 
 TRAJECTORIES = "trajectories.jsonl"
@@ -223,24 +224,10 @@ def _round(value: Any) -> Any:
 
 def to_script_json(data: Any) -> str:
     """JSON safe inside ``<script>``: no ``<``, ``>`` or ``&`` (so no ``</script>``), no NaN."""
-    try:
-        text = json.dumps(data, ensure_ascii=False, allow_nan=False)
-    except ValueError:  # NaN or infinity somewhere: the page shows them as null
-        text = json.dumps(_finite(data), ensure_ascii=False, allow_nan=False)
+    text = strict_json(data)  # NaN or infinity somewhere: the page shows them as null
     for char, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026")):
         text = text.replace(char, escape)
     return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 def render_html(data: dict[str, Any]) -> str:
