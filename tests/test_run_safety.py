@@ -5,6 +5,7 @@ caught before the first trajectory, an --overwrite that keeps the old run until 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -288,3 +289,24 @@ def test_messages_name_the_file_at_fault(tmp_path: Path, tiny_qwen3_dir: Path) -
         [sys.executable, "-m", "turnrl.cli", "serve", "--help"], capture_output=True, text=True, timeout=120
     )
     assert serve_help.returncode == 0 and "usage: turnrl serve" in serve_help.stdout
+
+
+def test_a_sandbox_without_bubblewrap_is_refused_before_the_first_trajectory(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(yaml.safe_dump({"tools": [{"class_name": "turnrl.tools.sandbox.CodeInterpreter"}]}))
+    config = setup(tmp_path, tiny_qwen3_dir, env={"name": "tool_env", "kwargs": {"tools_config": str(tools)}})
+    bare = tmp_path / "bin"  # a PATH without bwrap
+    bare.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "turnrl.cli", "rollout", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PATH": str(bare)},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "needs bubblewrap" in result.stderr and "scripts/install_sandbox.sh" in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and not (tmp_path / "run").exists()
