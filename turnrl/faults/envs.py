@@ -17,9 +17,12 @@ from turnrl.env.base import Env
 from turnrl.tools import FunctionTool, tool
 from turnrl.types import Message, Sample, StepResult
 
-EnvFaultKind = Literal["raise", "hang", "none", "dict", "number", "huge", "bytes"]
-ENV_FAULTS: tuple[EnvFaultKind, ...] = ("raise", "hang", "none", "dict", "number", "huge", "bytes")
+EnvFaultKind = Literal["raise", "hang", "none", "dict", "number", "huge", "bytes", "block", "exit", "nan"]
+ENV_FAULTS: tuple[EnvFaultKind, ...] = (
+    "raise", "hang", "none", "dict", "number", "huge", "bytes", "block", "exit", "nan"
+)  # fmt: skip
 HUGE_CHARS = 10 * 1024 * 1024  # "10 MB of text"
+BLOCK_S = 1.0  # "block": time.sleep inside async def, this long (past the suite's env timeout)
 
 
 def garbage(kind: EnvFaultKind, where: str) -> Any:
@@ -30,6 +33,8 @@ def garbage(kind: EnvFaultKind, where: str) -> Any:
         return {"observation": "a dict, not a StepResult", "reward": 1.0}
     if kind == "number":
         return 42
+    if kind == "nan":
+        return StepResult("a reward of NaN", float("nan"), False)
     text: Any = "y" * HUGE_CHARS if kind == "huge" else b"\xff\xfe not UTF-8 \xc3\x28"
     if where == "reset":
         return [{"role": "user", "content": text}]
@@ -72,6 +77,11 @@ class FaultyEnv(Env):
             raise ConnectionError(f"injected: {self.where} failed (call {self.calls})")
         if self.kind == "hang":
             await asyncio.sleep(3600)
+        if self.kind == "exit":
+            raise SystemExit(f"injected: {self.where} called sys.exit (call {self.calls})")
+        if self.kind == "block":  # a synchronous call inside async def: the thread blocks
+            time.sleep(BLOCK_S)
+            return list(self.sample.prompt) if self.where == "reset" else StepResult("late", 0.0, False)
         return garbage(self.kind, self.where)
 
     async def reset(self) -> list[Message]:

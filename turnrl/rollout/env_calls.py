@@ -102,13 +102,21 @@ async def call(
     env: Any, name: str, make: Callable[[], Coroutine[Any, Any, Any]], timeout: float | None
 ) -> Any:
     """``make()`` (a coroutine of ``env``'s ``name`` method) awaited under the rules above."""
-    timed = _Timed(make())
+    return await asyncio.wait_for(_dispatch(env, name, make, timeout), timeout)
+
+
+async def _dispatch(
+    env: Any, name: str, make: Callable[[], Coroutine[Any, Any, Any]], timeout: float | None
+) -> Any:
+    """Run the call where it belongs, decided when it starts (calls queued behind the one that
+    blocked see the verdict): a worker thread for a blocking class, else this loop, timed."""
     if type(env) in _blocking:
         loop = _loops.get(id(env))
         if loop is None:
             loop = _loops[id(env)] = _EnvLoop()
-        return await asyncio.wait_for(loop.run(timed), timeout)
-    result = await asyncio.wait_for(_awaited(timed), timeout)
+        return await loop.run(_Timed(make()))
+    timed = _Timed(make())
+    result = await timed
     if timed.longest >= BLOCKING_S and type(env) not in _blocking:
         kind = type(env).__name__
         _blocking[type(env)] = f"{kind}.{name} held the event loop for {timed.longest:.1f}s"
@@ -123,10 +131,6 @@ async def call(
     if timeout is not None and timed.longest > timeout:
         raise BlockedLoop(f"held the event loop for {timed.longest:.1f}s, past the {timeout}s timeout")
     return result
-
-
-async def _awaited(timed: _Timed) -> Any:
-    return await timed
 
 
 def release(env: Any) -> None:
