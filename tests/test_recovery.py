@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from rich.console import Console
 
 from turnrl.app.run import run
@@ -131,3 +134,54 @@ def test_train_resume_of_a_missing_run_refuses(tmp_path: Path, tiny_qwen3_dir: P
         train(config, resume=True, console=quiet()[0])
     assert not (tmp_path / "nothing-here").exists()
     shutil.rmtree(tmp_path / "nothing-here", ignore_errors=True)
+
+
+FUZZ_EXAMPLES = int(os.environ.get("TURNRL_FUZZ_EXAMPLES", "150"))
+
+
+@settings(
+    max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    count=st.integers(1, 12),
+    corrupt=st.sets(st.integers(0, 11), max_size=4),
+    garbage=st.sampled_from(["{", "not json", '{"id": 1}', "\x00\x01", '["a list"]', "{}"]),
+    duplicate=st.one_of(st.none(), st.integers(0, 11)),
+    cut=st.one_of(st.none(), st.integers(1, 200)),
+)
+def test_recover_keeps_every_intact_record_once_whatever_the_damage(
+    tmp_path: Path, count: int, corrupt: set[int], garbage: str, duplicate: int | None, cut: int | None
+) -> None:
+    """Fuzzed damage to trajectories.jsonl (corrupt middle lines, a duplicated line, a cut tail):
+    recover never raises, keeps exactly the intact records once each, reports each corrupt line
+    with its number, and leaves a file that recovers to the same again."""
+    from turnrl.rollout.codec import json_line, trajectory_to_json
+    from turnrl.rollout.collector import recover
+    from turnrl.types import StopReason, Trajectory
+
+    path = tmp_path / f"fuzz-{count}-{len(corrupt)}-{duplicate}-{cut}.jsonl"
+    lines = [
+        json_line(trajectory_to_json(Trajectory(f"p{i}/0", f"p{i}", "d", StopReason.ENV_DONE, [1, 2], [3])))
+        for i in range(count)
+    ]
+    bad = {i for i in corrupt if i < count}
+    damaged = [garbage + "\n" if i in bad else line for i, line in enumerate(lines)]
+    if duplicate is not None and duplicate < count and duplicate not in bad:
+        damaged.append(lines[duplicate])
+    text = "".join(damaged)
+    torn = None
+    if cut is not None and count - 1 not in bad and (duplicate is None or duplicate >= count):
+        torn = count - 1
+        text = text[: len(text) - min(cut, len(lines[-1]) - 1)]  # the last record cut mid-line
+    path.write_text(text)
+    said: list[str] = []
+    trajs, _ = recover(path, say=said.append)
+    intact = {f"p{i}" for i in range(count) if i not in bad and i != torn}
+    assert sorted(t.group_id for t in trajs) == sorted(intact)  # each once
+    assert len(said) == len(bad) and all(
+        f":{i + 1}: a corrupt record" in s for i, s in zip(sorted(bad), said, strict=True)
+    )
+    again, dropped = recover(path)
+    assert sorted(t.group_id for t in again) == sorted(intact) and dropped == 0
+    path.unlink()
+    path.with_name(path.name + ".corrupt").unlink(missing_ok=True)
