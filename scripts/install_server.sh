@@ -11,12 +11,15 @@ VERSION=0.3.36 # llama-cpp-python sdist; keep in step with LLAMA_CPP_PYTHON_VERS
 CACHE=${TURNRL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/turnrl}
 DEST=${TURNRL_LLAMA_CPP_HOME:-$CACHE/llama.cpp}
 SRC="$DEST/src-$VERSION"
-BUILD="$DEST/build-$VERSION"
+# the build is for this CPU (ggml compiles for the native instruction set): a cache carried to a
+# machine with another CPU is rebuilt, never resumed (its objects die there with SIGILL)
+CPU=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
+BUILD="$DEST/build-$VERSION-$CPU"
 PY=.venv/bin/python
 [ -x "$PY" ] || PY=python3
 JOBS=${JOBS:-$(nproc)}
 
-if [ -x "$DEST/bin/llama-server" ] && [ "$(cat "$DEST/VERSION" 2>/dev/null)" = "$VERSION" ]; then
+if [ -x "$DEST/bin/llama-server" ] && [ "$(cat "$DEST/VERSION" 2>/dev/null)" = "$VERSION $CPU" ]; then
   echo "llama-server (llama-cpp-python $VERSION sources) is installed in $DEST"
   exit 0
 fi
@@ -61,6 +64,6 @@ mkdir -p "$DEST/bin"
 cp "$BUILD/bin/llama-server" "$DEST/bin/llama-server.new"
 mv "$DEST/bin/llama-server.new" "$DEST/bin/llama-server"
 ln -sfn "src-$VERSION" "$DEST/src"
-echo "$VERSION" >"$DEST/VERSION"
+echo "$VERSION $CPU" >"$DEST/VERSION"
 rm -rf "$BUILD" "$SDIST" # the binary and the sources are all that is used from here on
 echo "llama-server installed: $DEST/bin/llama-server"

@@ -41,7 +41,7 @@ def samples(n: int) -> list[Sample]:
 class SleepyStep(Env):
     """``async def step`` that blocks its thread with ``time.sleep`` (a sync call inside async)."""
 
-    seconds = 0.6
+    seconds = 1.2
     active = 0
     most = 0
     lock = threading.Lock()
@@ -58,7 +58,7 @@ class SleepyStep(Env):
 
 
 class SleepyStepTwo(SleepyStep):
-    seconds = 1.2
+    seconds = 2.0
 
 
 async def test_a_blocking_step_is_detected_and_moved_to_threads_so_it_never_serializes_the_run(
@@ -70,11 +70,11 @@ async def test_a_blocking_step_is_detected_and_moved_to_threads_so_it_never_seri
     assert [t.stop_reason for t in trajs] == [StopReason.MAX_TURNS] * 8
     assert env_calls.blocking(SleepyStep(samples(1)[0])) is not None  # detected and reported
     assert SleepyStep.most >= 2  # after the first, steps ran side by side in worker threads
-    assert wall < 8 * 3 * SleepyStep.seconds  # serialized would be 14.4 s
+    assert wall < 8 * 3 * SleepyStep.seconds  # serialized would be 28.8 s
 
 
 async def test_a_blocking_step_past_the_timeout_fails_as_a_timeout(qwen3_tokenizer: Any) -> None:
-    limits = {"env_timeout_s": 0.8, "max_env_retries_per_turn": 1}
+    limits = {"env_timeout_s": 1.5, "max_env_retries_per_turn": 1}
     trajs = await collect(samples(3), spec(qwen3_tokenizer, SleepyStepTwo, **limits), concurrency=3)
     assert {t.stop_reason for t in trajs} == {StopReason.ENV_ERROR}
     first = trajs[0]

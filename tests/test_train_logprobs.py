@@ -171,7 +171,10 @@ def test_packed_rows_give_each_sample_its_own_logprobs_and_gradients(
         out[kind] = (logp[b.loss_mask_B_T > 0], grads(model))
     assert torch.allclose(out["packed"][0], out["padded"][0], atol=1e-4)
     for key, grad in out["padded"][1].items():
-        assert torch.allclose(out["packed"][1][key], grad, atol=1e-4, rtol=1e-3), key
+        # float32 sums in another order (packed rows, padded rows): differences scale with the
+        # gradient's own size (SmolLM2's reach 100, where 1e-3 apart is 1e-5 of the scale)
+        scale = max(float(grad.abs().max()), 1.0)
+        assert torch.allclose(out["packed"][1][key], grad, atol=1e-5 * scale, rtol=1e-3), key
     lone = token_logprobs(model, torch.tensor([samples[1].input_ids]))  # the second sample alone
     assert torch.allclose(out["packed"][0][6:20], lone[0, 3:].detach(), atol=1e-4)
 

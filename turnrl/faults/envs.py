@@ -22,7 +22,7 @@ ENV_FAULTS: tuple[EnvFaultKind, ...] = (
     "raise", "hang", "none", "dict", "number", "huge", "bytes", "block", "exit", "nan"
 )  # fmt: skip
 HUGE_CHARS = 10 * 1024 * 1024  # "10 MB of text"
-BLOCK_S = 1.0  # "block": time.sleep inside async def, this long (past the suite's env timeout)
+BLOCK_S = 1.5  # "block": time.sleep inside async def, this long (past the suite's env timeout)
 
 
 def garbage(kind: EnvFaultKind, where: str) -> Any:

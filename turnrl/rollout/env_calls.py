@@ -4,12 +4,13 @@ Every env coroutine the loop awaits (``reset``, ``step``, ``score``, ``close``) 
 ``call``, which
 
 - bounds it by the timeout (``limits.env_timeout_s``);
-- times each stretch it runs without yielding to the event loop. A stretch of ``BLOCKING_S`` or
-  more is a synchronous call inside ``async def`` (``time.sleep``, ``requests.get``,
-  ``subprocess.run``) that stalls every other trajectory meanwhile: it is reported once per env
-  class (a warning on the ``turnrl`` logger, and ``env_failures/by_kind``), and from then on every
-  call of that class's envs runs in a worker thread with its own event loop, one per env, where a
-  blocking call stalls only its own trajectory and the timeout bounds it. A call that held the
+- times each stretch it runs without yielding to the event loop. A stretch that waits
+  ``BLOCKING_S`` or more without computing is a synchronous call inside ``async def``
+  (``time.sleep``, ``requests.get``, ``subprocess.run``) that stalls every other trajectory
+  meanwhile: it is reported once per env class (a warning on the ``turnrl`` logger, and
+  ``env_failures/by_kind``), and from then on every call of that class's envs runs in a worker
+  thread with its own event loop, one per env, where a blocking call stalls only its own
+  trajectory and the timeout bounds it. A call that held the
   loop past the timeout fails as a timeout, although it returned;
 - turns ``SystemExit`` and ``KeyboardInterrupt`` raised by env code into an ordinary failure
   (``EnvExit``), which ends that trajectory as ``env_error`` instead of the whole run. (Ctrl-C
@@ -27,8 +28,10 @@ from typing import Any
 
 logger = logging.getLogger("turnrl")
 
-BLOCKING_S = 0.5
-"""A stretch of env code this long without yielding to the event loop marks its class as blocking."""
+BLOCKING_S = 1.0
+"""A stretch of env code that spends this long without yielding to the event loop *and* without
+computing (asleep in ``time.sleep``, waiting on a socket) marks its class as blocking. Time spent
+computing (a first import, a tokenizer) does not count: a thread would not help it."""
 
 _blocking: dict[type, str] = {}  # env class -> how it was seen blocking (its calls run in threads)
 _loops: dict[int, _EnvLoop] = {}  # id(env) -> the worker loop of an env of a blocking class
@@ -47,21 +50,27 @@ class _Timed:
 
     def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
         self.coro = coro
-        self.longest = 0.0
+        self.longest = 0.0  # wall seconds of the longest stretch
+        self.idle = 0.0  # the most wall seconds a stretch spent not computing (asleep, waiting on I/O)
+
+    def _clock(self, t0: float, c0: float) -> None:
+        wall = time.perf_counter() - t0
+        self.longest = max(self.longest, wall)
+        self.idle = max(self.idle, wall - (time.thread_time() - c0))
 
     def __await__(self) -> Generator[Any, Any, Any]:
         step: Callable[[Any], Any] = self.coro.send
         value: Any = None
         while True:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 yielded = step(value)
             except StopIteration as stop:
-                self.longest = max(self.longest, time.perf_counter() - t0)
+                self._clock(t0, c0)
                 return stop.value
             except (SystemExit, KeyboardInterrupt) as exc:
                 raise EnvExit(f"env code raised {type(exc).__name__}({exc})") from None
-            self.longest = max(self.longest, time.perf_counter() - t0)
+            self._clock(t0, c0)
             try:
                 value, step = (yield yielded), self.coro.send
             except GeneratorExit:
@@ -117,7 +126,7 @@ async def _dispatch(
         return await loop.run(_Timed(make()))
     timed = _Timed(make())
     result = await timed
-    if timed.longest >= BLOCKING_S and type(env) not in _blocking:
+    if timed.idle >= BLOCKING_S and type(env) not in _blocking:  # asleep, not computing (an import)
         kind = type(env).__name__
         _blocking[type(env)] = f"{kind}.{name} held the event loop for {timed.longest:.1f}s"
         logger.warning(

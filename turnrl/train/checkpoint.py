@@ -122,8 +122,8 @@ def damage(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"state.json: {exc}"
     model = path / "model"
-    if not (model / "config.json").is_file():
-        return "model/config.json is missing"
+    if not (model / "config.json").is_file() and not (model / "adapter_config.json").is_file():
+        return "model/config.json (or a LoRA checkpoint's adapter_config.json) is missing"
     weights = sorted(model.glob("*.safetensors"))
     if not weights:
         return "model/ has no .safetensors weights"
