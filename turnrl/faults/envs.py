@@ -99,6 +99,12 @@ class FaultyEnv(Env):
         return StepResult(f"Go on (turn {self.steps}).", 1.0 if done else 0.0, done)
 
 
+class BlockingFaultyEnv(FaultyEnv):
+    """``FaultyEnv`` for the ``block`` fault: a class of its own, since a class seen blocking runs
+    its envs in worker threads from then on (``turnrl.rollout.env_calls``), and the other rows
+    should run ``FaultyEnv`` as they always have."""
+
+
 class Unserializable:
     """An object JSON cannot encode, with a readable ``str``."""
 

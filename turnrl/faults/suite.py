@@ -39,7 +39,7 @@ from turnrl.engines.openai import OpenAIEngine
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.base import Env
 from turnrl.env.tool_env import ToolEnv
-from turnrl.faults.envs import BLOCK_S, EnvFaultKind, FaultyEnv, fault_tools
+from turnrl.faults.envs import BLOCK_S, BlockingFaultyEnv, EnvFaultKind, FaultyEnv, fault_tools
 from turnrl.faults.server import Fault, FaultServer
 from turnrl.rollout.codec import trajectory_from_json
 from turnrl.rollout.collector import collect
@@ -236,7 +236,7 @@ async def env_row(
         return problems
 
     def env(sample: Sample) -> Env:
-        return FaultyEnv(sample, where, kind, rate)
+        return (BlockingFaultyEnv if kind == "block" else FaultyEnv)(sample, where, kind, rate)
 
     return await rollout_row(
         label,

@@ -90,7 +90,15 @@ class _EnvLoop:
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
-        self.loop.close()
+        try:  # stopped: start what was queued before the stop, then cancel what is left, then close
+            self.loop.run_until_complete(asyncio.sleep(0))
+            left = asyncio.all_tasks(self.loop)
+            for task in left:
+                task.cancel()
+            if left:
+                self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        finally:
+            self.loop.close()
 
     async def run(self, coro: Awaitable[Any]) -> Any:
         async def inside() -> Any:
