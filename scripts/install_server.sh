@@ -13,7 +13,12 @@ DEST=${TURNRL_LLAMA_CPP_HOME:-$CACHE/llama.cpp}
 SRC="$DEST/src-$VERSION"
 # the build is for this CPU (ggml compiles for the native instruction set): a cache carried to a
 # machine with another CPU is rebuilt, never resumed (its objects die there with SIGILL)
-CPU=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
+CPU=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)-avx2
+# not -march=native: a CPU that lists AMX (Sapphire Rapids) under a VM that does not enable its
+# tile state dies with SIGILL in ggml's AMX kernels; AVX2 + FMA + F16C run on every x86-64 server
+ISA=""
+[ "$(uname -m)" != x86_64 ] ||
+  ISA="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 BUILD="$DEST/build-$VERSION-$CPU"
 PY=.venv/bin/python
 [ -x "$PY" ] || PY=python3
@@ -56,7 +61,7 @@ fi
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGIT_EXECUTABLE=/bin/false \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
   -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
-  -DGGML_OPENMP=OFF >"$DEST/cmake.log" 2>&1 || { tail -20 "$DEST/cmake.log" >&2; exit 1; }
+  -DGGML_OPENMP=OFF $ISA >"$DEST/cmake.log" 2>&1 || { tail -20 "$DEST/cmake.log" >&2; exit 1; }
 nice cmake --build "$BUILD" --target llama-server -j "$JOBS" >"$DEST/build.log" 2>&1 ||
   { tail -20 "$DEST/build.log" >&2; exit 1; }
 
