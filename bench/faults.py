@@ -1,4 +1,4 @@
-"""The fault suite's table: every fault a rollout meets, N trajectories each (see turnrl/faults/suite.py).
+"""The fault suite's table: every fault a rollout meets, N trajectories each (tests/fault_harness/suite.py).
 
     .venv/bin/python bench/faults.py [--n 32] [--fast] [--only "server" "kill"]
 
@@ -15,7 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from turnrl.faults.suite import Row, clean, run_suite, table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness is test support
+
+from fault_harness.suite import Row, clean, run_suite, table
 
 
 def main() -> int:

@@ -34,8 +34,8 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.env.base import Env, EnvFactory
 from turnrl.models import qwen3_tokenizer_dir
 from turnrl.rollout.collector import collect
-from turnrl.rollout.loop import Limits, RolloutSpec
-from turnrl.types import Generation, Sample, SamplingParams, StepResult, StopReason
+from turnrl.rollout.spec import RolloutSpec
+from turnrl.types import Generation, Limits, Sample, SamplingParams, StepResult, StopReason
 
 
 def step_latency(seed: int, trajectory: str, turn: int, median_s: float, sigma: float) -> float:

@@ -46,9 +46,9 @@ from typing import Any
 
 from rich.console import Console
 
-from turnrl.envs.key_lookup import KeyLookupEnv
+from turnrl.app.training import train
+from turnrl.env.builtin.key_lookup import KeyLookupEnv
 from turnrl.train.config import load_train_config
-from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
 from turnrl.types import Sample, StepResult
 

@@ -23,9 +23,9 @@ from turnrl.app import hf_engine
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.hf import HFEngine
 from turnrl.rollout.collector import collect
-from turnrl.rollout.loop import Limits, RolloutSpec, request_seed
+from turnrl.rollout.loop import RolloutSpec, request_seed
 from turnrl.testing import EchoEnv
-from turnrl.types import Sample, SamplingParams
+from turnrl.types import Limits, Sample, SamplingParams
 
 
 def samples(count: int) -> list[Sample]:

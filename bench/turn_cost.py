@@ -27,8 +27,8 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.chat.report import DEFAULT_TOOLS
 from turnrl.env.base import Env
 from turnrl.models import qwen3_tokenizer_dir
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
-from turnrl.types import Generation, Message, Sample, SamplingParams, StepResult
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.types import Generation, Limits, Message, Sample, SamplingParams, StepResult
 
 TOOLS = DEFAULT_TOOLS
 PROMPT: list[Message] = [

@@ -17,7 +17,7 @@ from turnrl.train.config import LoraSettings, TrainConfig
 from turnrl.train.data_parallel import close_ranks, init_ranks, shard
 from turnrl.train.fsdp import full_state_dict, shard_policy
 from turnrl.train.lora import wrap_lora
-from turnrl.train.trainer import _prepare, update_policy
+from turnrl.train.update import Learner, prepare, update_policy
 
 
 def fixed_samples(count: int) -> list[TrainSample]:
@@ -79,8 +79,9 @@ def main(model_dir: str, out: str, mode: str = "replicated") -> None:
     # by its own magnitude, which turns rounding in a near-zero gradient into a full-size step)
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    run = SimpleNamespace(config=config, policy=policy, ref=None, optimizer=optimizer, scheduler=scheduler)
-    run.ranks, run.sharded, run.tokenizer = ranks, sharded, SimpleNamespace(pad_token_id=0)
+    learner = Learner(
+        config, policy, None, SimpleNamespace(pad_token_id=0), optimizer, scheduler, ranks, sharded
+    )
     samples = grouped_samples() if mode in ("grouped", "fsdp-shared") else fixed_samples(8)
     tokens = sum(sum(s.loss_mask) for s in samples)  # the whole step's loss tokens
     mine = shard(samples, ranks)
@@ -90,8 +91,8 @@ def main(model_dir: str, out: str, mode: str = "replicated") -> None:
         batches = batches_of(mine, budget, 0, packed=False, share_min=4)
     else:
         batches = [collate(group, 0) for group in micro_batches(mine, budget)]
-    _prepare(run, batches)  # type: ignore[arg-type]
-    metrics: dict[str, object] = dict(update_policy(run, batches, tokens))  # type: ignore[arg-type]
+    prepare(learner, batches)
+    metrics: dict[str, object] = dict(update_policy(learner, batches, tokens))
     metrics["micro_batches"] = len(batches)
     metrics["shared"] = [b.shared_prefix for b in batches]  # after the ranks' votes
     folder = Path(out)

@@ -12,13 +12,13 @@ from pathlib import Path
 import vllm_helpers
 
 from turnrl.cli import main
-from turnrl.train import overlap, trainer
+from turnrl.train import overlap, weight_sync
 
 if __name__ == "__main__":
     gate = vllm_helpers.PushGate(lead_s=float(os.environ.get("GATE_LEAD_S", "0.5")))
     vllm_helpers.GATE = gate
-    overlap.learn = gate.wrap_learn(overlap.learn)  # type: ignore[assignment]
-    trainer._servers_load = gate.wrap_load(trainer._servers_load)  # type: ignore[assignment]
+    overlap.learn_from = gate.wrap_learn(overlap.learn_from)  # type: ignore[assignment]
+    weight_sync.servers_load = gate.wrap_load(weight_sync.servers_load)  # type: ignore[assignment]
     try:
         code = main(sys.argv[1:])
     finally:

@@ -95,9 +95,9 @@ def base_tokenizer(kind: str) -> Any:
     """A real tokenizer: Qwen3's, or a llama.cpp vocabulary GGUF converted once and cached."""
     from transformers import AutoTokenizer
 
-    from turnrl.cache import cache_dir
     from turnrl.engines.servers import llama_cpp_home
     from turnrl.models.files import build_once, qwen3_tokenizer_dir
+    from turnrl.support.cache import cache_dir
 
     if kind == "qwen3":
         return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
@@ -125,8 +125,8 @@ def tekken_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
     from transformers.integrations.mistral import convert_tekken_tokenizer
 
-    from turnrl.cache import cache_dir
     from turnrl.models.files import build_once
+    from turnrl.support.cache import cache_dir
 
     spec = importlib.util.find_spec("mistral_common")
     if spec is None or spec.origin is None:

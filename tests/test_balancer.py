@@ -12,9 +12,9 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.balancer import BalancedEngine
 from turnrl.engines.http import RequestError, ServerError
 from turnrl.engines.scripted import ScriptedEngine
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.testing import EchoEnv
-from turnrl.types import EngineError, Generation, Sample, SamplingParams, StopReason
+from turnrl.types import EngineError, Generation, Limits, Sample, SamplingParams, StopReason
 
 SAMPLING = SamplingParams(max_tokens=4)
 

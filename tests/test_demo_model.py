@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from turnrl.app import demo_model
 from turnrl.app.parts import load_samples
 from turnrl.config import DataConfig
+from turnrl.env.builtin.guess_number import demonstration, secret_for
 from turnrl.env.registry import resolve_env
-from turnrl.envs.guess_number import demonstration, secret_for
 from turnrl.models import SMOLLM2_PLAY, ModelNotFoundError, resolve_model
-from turnrl.train import demo_model
 from turnrl.types import Sample
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,13 +21,14 @@ from turnrl.distributed import RayEnvConfig, RayEnvPool, ray_env_factory  # noqa
 from turnrl.distributed.worker import EnvSpec, EnvWorker  # noqa: E402
 from turnrl.engines.scripted import ScriptedEngine  # noqa: E402
 from turnrl.env.base import EnvFactory, StepResult  # noqa: E402
+from turnrl.env.builtin.guess_number import GuessNumberEnv  # noqa: E402
 from turnrl.env.registry import resolve_env  # noqa: E402
-from turnrl.envs.guess_number import GuessNumberEnv  # noqa: E402
 from turnrl.rollout.codec import trajectory_to_json  # noqa: E402
 from turnrl.rollout.collector import collect, iter_trajectories  # noqa: E402
-from turnrl.rollout.loop import Limits, RolloutSpec  # noqa: E402
+from turnrl.rollout.loop import RolloutSpec  # noqa: E402
 from turnrl.testing import EchoEnv  # noqa: E402
 from turnrl.types import (  # noqa: E402
+    Limits,
     Sample,
     SamplingParams,
     StopReason,

@@ -13,7 +13,7 @@ from turnrl import ChatEncoder, Limits, RolloutSpec, Sample, SamplingParams, col
 from turnrl.app.parts import build_env_factory
 from turnrl.config import EnvConfig
 from turnrl.engines.scripted import ScriptedEngine, policy_replies
-from turnrl.envs.gym_env import GymnasiumEnv, plain_ansi
+from turnrl.env.adapters.gym_env import GymnasiumEnv, plain_ansi
 from turnrl.types import Message, StopReason
 
 pytest.importorskip("gymnasium")  # both are in the examples extra the test command installs

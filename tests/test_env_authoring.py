@@ -18,8 +18,8 @@ from turnrl.app.parts import build_env_factory, load_samples
 from turnrl.config import DataConfig, EnvConfig
 from turnrl.data import DataError
 from turnrl.engines.scripted import ScriptedEngine, policy_replies
+from turnrl.env.builtin.guess_number import GuessNumberEnv
 from turnrl.env.registry import resolve_env
-from turnrl.envs.guess_number import GuessNumberEnv
 from turnrl.testing import EchoEnv
 from turnrl.types import StopReason
 

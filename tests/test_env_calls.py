@@ -17,9 +17,9 @@ from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.base import Env
 from turnrl.rollout import env_calls
 from turnrl.rollout.collector import collect
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.rollout.metrics import summarize
-from turnrl.types import Sample, SamplingParams, StepResult, StopReason
+from turnrl.types import Limits, Sample, SamplingParams, StepResult, StopReason
 
 PROMPT = [{"role": "user", "content": "Go."}]
 

@@ -10,11 +10,10 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.tool_env import ToolEnv
 from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
-from turnrl.rollout.limits import Limits
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.rollout.metrics import summarize, turn_record
 from turnrl.tools import ToolOutput, tool
-from turnrl.types import Sample, SamplingParams, StopReason
+from turnrl.types import Limits, Sample, SamplingParams, StopReason
 
 PROMPT = [{"role": "user", "content": "Find the secret number between 1 and 10."}]
 

@@ -15,16 +15,16 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import load_config
 from turnrl.data import read_rows, sample_from_row, to_samples
 from turnrl.engines.scripted import ScriptedEngine
+from turnrl.env.adapters.textarena_env import TextArenaEnv, drop_echo, new_part
 from turnrl.env.base import Env
+from turnrl.env.builtin.guess_number import GuessNumberEnv, parse_guess, secret_for
+from turnrl.env.builtin.math_tools import MathToolEnv, answers_match, extract_answer
+from turnrl.env.builtin.swift_scheduler import SchedulerEnv, ThinkingTipsEnv
+from turnrl.env.builtin.tool_config import AnswerCheckTool, ConfiguredToolEnv, answer_reward
 from turnrl.env.registry import resolve_env
-from turnrl.envs.guess_number import GuessNumberEnv, parse_guess, secret_for
-from turnrl.envs.math_tools import MathToolEnv, answers_match, extract_answer
-from turnrl.envs.swift_scheduler import SchedulerEnv, ThinkingTipsEnv
-from turnrl.envs.textarena_env import TextArenaEnv, drop_echo, new_part
-from turnrl.envs.tool_config import AnswerCheckTool, ConfiguredToolEnv, answer_reward
-from turnrl.rewards import RewardContext
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
-from turnrl.types import Message, Sample, SamplingParams, StopReason, Trajectory, Turn
+from turnrl.env.rewards import RewardContext
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.types import Limits, Message, Sample, SamplingParams, StopReason, Trajectory, Turn
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

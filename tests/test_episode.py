@@ -9,13 +9,12 @@ from typing import Any, ClassVar
 
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.env.base import Env
-from turnrl.rewards import RewardContext, Rewards
+from turnrl.env.rewards import RewardContext, Rewards
 from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.collector import collect, read_trajectories
-from turnrl.rollout.limits import Limits
 from turnrl.rollout.loop import RolloutSpec, env_seed, run_trajectory
 from turnrl.testing import EchoEnv, ScriptedEngine
-from turnrl.types import SCHEMA_VERSION, Sample, SamplingParams, StepResult, StopReason, Trajectory
+from turnrl.types import SCHEMA_VERSION, Limits, Sample, SamplingParams, StepResult, StopReason, Trajectory
 
 GOLDEN = Path(__file__).parent / "golden" / "trajectory_schema.json"
 PROMPT = [{"role": "user", "content": "Say a, then b."}]

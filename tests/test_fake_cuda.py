@@ -1,5 +1,5 @@
 """The GPU path, checked on the CPU: the embedded engine, a training step and a VLM request run with
-the model on a stand-in CUDA device (``turnrl.fake_cuda``) that fails on host/device mix-ups as a
+the model on a stand-in CUDA device (``turnrl.support.fake_cuda``) that fails on host/device mix-ups as a
 GPU does, and give what they give on the CPU."""
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import pytest
 import torch
 from rich.console import Console
 
+from turnrl.app.training import build_run
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.hf import sampling as sampling_module
 from turnrl.env import register_env
-from turnrl.fake_cuda import FAKE_CUDA, MixedDeviceError, fake_cuda, on_fake_cuda
 from turnrl.models import load_model
+from turnrl.rollout.loop import run_trajectory
+from turnrl.support.fake_cuda import FAKE_CUDA, MixedDeviceError, fake_cuda, on_fake_cuda
 from turnrl.testing import ParityEnv
 from turnrl.train.config import TrainConfig
-from turnrl.train.trainer import build_run, train_step
+from turnrl.train.trainer import train_step
 from turnrl.types import SamplingParams
 
 QUIET = Console(file=io.StringIO())
@@ -174,7 +176,6 @@ async def test_a_vlm_rollout_on_cuda_samples_what_it_samples_on_cpu(kind: str) -
     from turnrl.app import hf_engine
     from turnrl.chat.encoder import ChatEncoder
     from turnrl.config import HFEngineConfig
-    from turnrl.rollout.loop import run_trajectory
     from turnrl.types import Sample
 
     async def rollout(device: str) -> Any:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from turnrl.faults.server import Fault, FaultServer
-from turnrl.faults.suite import Kit, clean, kill_row, make_kit, scenarios, table
+from fault_harness.server import Fault, FaultServer
+from fault_harness.suite import Kit, clean, kill_row, make_kit, scenarios, table
 
 FAST = [(name, run) for name, run, fast in scenarios() if fast]
 

@@ -18,6 +18,7 @@ from turnrl.engines import HFEngine
 from turnrl.engines.hf import sample_token
 from turnrl.engines.hf.sampling import _draw_rows, sample_tokens
 from turnrl.models import load_model, load_tokenizer
+from turnrl.rollout.loop import run_trajectory
 from turnrl.testing import until
 from turnrl.types import Engine, EngineError, SamplingParams
 
@@ -382,9 +383,9 @@ async def test_smollm2_gguf_answers_with_its_chat_template() -> None:
 async def session_rollouts(model: Any, tokenizer: Any, cache_tokens: int) -> tuple[list[Any], dict[str, int]]:
     """Four 3-turn trajectories (model, echo, model, echo, model) through one engine."""
     from turnrl.chat.encoder import ChatEncoder
-    from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+    from turnrl.rollout.loop import RolloutSpec
     from turnrl.testing import EchoEnv
-    from turnrl.types import Sample
+    from turnrl.types import Limits, Sample
 
     engine = HFEngine(model, tokenizer, seed=0, prefix_cache_tokens=cache_tokens)
     stops = tuple(range(0, 151000, 5))  # the random model ends its turns on these

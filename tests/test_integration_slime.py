@@ -31,9 +31,9 @@ from turnrl.integrations.agent_settings import (
 )
 from turnrl.integrations.slime import close_engines, fill, generate, status_name
 from turnrl.models import load_model
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.types import Limits, SamplingParams, StopReason, Trajectory
 from turnrl.types import Sample as TurnrlSample
-from turnrl.types import SamplingParams, StopReason, Trajectory
 
 ODD = list(range(1, 151_700, 2))  # slime's --rollout-stop-token-ids here: turns end after a few tokens
 
@@ -177,7 +177,7 @@ async def test_vlm_samples_carry_every_image_and_the_inputs_slime_trains_on(
     prompt's ``<image>``; the sample equals turnrl's own trajectory of the same episode."""
     from PIL import Image
 
-    from turnrl.envs.frozen_lake import FrozenLakeEnv
+    from turnrl.env.builtin.frozen_lake import FrozenLakeEnv
     from turnrl.integrations.slime import with_image_parts
     from turnrl.models import load_vision_processor, resolve_model
 

@@ -328,7 +328,7 @@ async def test_images_go_to_verls_servers_with_every_turn_and_into_its_output(ve
     from PIL import Image
 
     from turnrl.app import hf_engine
-    from turnrl.envs.frozen_lake import FrozenLakeEnv
+    from turnrl.env.builtin.frozen_lake import FrozenLakeEnv
 
     seven = list(range(0, 151_000, 7))  # the random model's turns end at every 7th id
     vlm = hf_engine("tiny-qwen2-vl", seed=0, eos_token_ids=seven)

@@ -22,7 +22,7 @@ from reference import sequence_gap
 from slime_server import Sample, SGLangServer, slime_sampling
 from vllm_helpers import MODEL, TOLERANCE
 
-from turnrl.envs.guess_number import GuessNumberEnv
+from turnrl.env.builtin.guess_number import GuessNumberEnv
 from turnrl.integrations.slime import close_engines, generate
 from turnrl.types import StopReason
 

@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 import yaml
 
+from turnrl.app import LLMUser, chat_model
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.scripted import ScriptedEngine
+from turnrl.env.builtin.tool_config import ConfiguredToolEnv
 from turnrl.env.interaction import InteractionError, load_interactions
-from turnrl.envs.tool_config import ConfiguredToolEnv
-from turnrl.interactions import LLMUser, chat_model
-from turnrl.rollout.limits import Limits
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
-from turnrl.types import Sample, SamplingParams, StopReason
+from turnrl.types import Limits, Sample, SamplingParams, StopReason
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = str(REPO / "examples" / "tools" / "calculator.yaml")
@@ -220,7 +219,7 @@ async def test_a_user_that_answers_garbage_ends_the_trajectory_with_the_reason(
         ([{"name": "x"}], "interaction[0] needs a 'class_name'"),
         ([{"name": "x", "class_name": "builtins.dict"}], "has no start_interaction, generate_response"),
         ([{"name": "x", "class_name": "test_interactions.Tutor"}] * 2, "two interactions are named 'x'"),
-        ([{"class_name": "turnrl.interactions.LLMUser", "config": {"persona": "p"}}], "needs 'model'"),
+        ([{"class_name": "turnrl.app.LLMUser", "config": {"persona": "p"}}], "needs 'model'"),
     ],
 )
 def test_bad_interaction_configs_are_one_line(

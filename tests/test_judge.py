@@ -12,10 +12,10 @@ from typing import Any
 import yaml
 
 from turnrl import ChatEncoder, Limits, RolloutSpec, Sample, SamplingParams, collect
+from turnrl.app import EngineChat, Judge
 from turnrl.config import JudgeConfig
 from turnrl.engines.scripted import ScriptedEngine
-from turnrl.interactions import EngineChat, Judge
-from turnrl.rewards import Rewards
+from turnrl.env.rewards import Rewards
 from turnrl.rollout.metrics import summarize
 from turnrl.testing import EchoEnv
 
@@ -124,8 +124,8 @@ def test_a_second_model_judges_from_the_cli(tmp_path: Path, tiny_qwen3_dir: Path
 
 
 async def test_a_judge_as_env_feedback_grades_each_answer_until_it_passes(qwen3_tokenizer: Any) -> None:
+    from turnrl.app import JudgeFeedback
     from turnrl.env.tool_env import ToolEnv
-    from turnrl.interactions import JudgeFeedback
 
     engine = ScriptedEngine(qwen3_tokenizer, ["Too vague: name one. Score: 3", "Correct. Score: 9"])
     chat = EngineChat(engine, qwen3_tokenizer, SamplingParams(max_tokens=64))

@@ -18,11 +18,10 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.process import free_port, port_in_use
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.tool_env import ToolEnv
-from turnrl.rollout.limits import Limits
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.tools import BaseTool, ToolConfigError, load_tools_config
 from turnrl.tools.mcp import MCPTool
-from turnrl.types import Sample, SamplingParams, StopReason
+from turnrl.types import Limits, Sample, SamplingParams, StopReason
 
 pytest.importorskip("mcp")  # installed by the test command (the envs extra): never skipped in CI
 

@@ -21,8 +21,8 @@ from turnrl.app.parts import build_env_factory
 from turnrl.config import EnvConfig
 from turnrl.engines.process import free_port
 from turnrl.engines.scripted import ScriptedEngine, policy_replies
-from turnrl.envs import openenv_env
-from turnrl.envs.openenv_env import OpenEnvEnv
+from turnrl.env.adapters import openenv_env
+from turnrl.env.adapters.openenv_env import OpenEnvEnv
 from turnrl.types import Message, StopReason
 
 pytest.importorskip("openenv")  # the envs extra, installed by the test command: never skipped in CI

@@ -12,7 +12,7 @@ import torch
 
 from turnrl.engines import HFEngine
 from turnrl.models import load_model
-from turnrl.openmp import release_pool
+from turnrl.support.openmp import release_pool
 from turnrl.testing import until
 from turnrl.types import SamplingParams
 

@@ -12,9 +12,9 @@ from turnrl.engines.hf import HFEngine
 from turnrl.models import load_model
 from turnrl.rollout.collector import collect
 from turnrl.rollout.control import RolloutControl
-from turnrl.rollout.loop import Limits, RolloutSpec
+from turnrl.rollout.spec import RolloutSpec
 from turnrl.testing import EchoEnv, until
-from turnrl.types import Sample, SamplingParams, StopReason, Trajectory
+from turnrl.types import Limits, Sample, SamplingParams, StopReason, Trajectory
 
 MAX_TOKENS = 64
 

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from turnrl.app.run import run
+from turnrl.app.training import train
 from turnrl.config import RunConfig
 from turnrl.env import register_env
 from turnrl.testing import EchoEnv, ParityEnv
 from turnrl.train.config import TrainConfig
-from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
 from turnrl.viewer import write_viewer
 

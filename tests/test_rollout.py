@@ -13,15 +13,15 @@ import torch
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
+from turnrl.env.rewards import RewardContext, Rewards
 from turnrl.env.tool_env import ToolEnv
-from turnrl.rewards import RewardContext, Rewards
 from turnrl.rollout.collector import collect, read_trajectories
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.rollout.metrics import summarize
 from turnrl.testing import BrokenResetEnv, EchoEnv, FlakyEnv
 from turnrl.tools import FunctionTool
 from turnrl.tools.builtin import calculator
-from turnrl.types import Generation, Sample, SamplingParams, StopReason, Trajectory
+from turnrl.types import Generation, Limits, Sample, SamplingParams, StopReason, Trajectory
 
 PROMPT = [
     {"role": "system", "content": "Use the calculator."},

@@ -16,11 +16,10 @@ import pytest
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.tool_env import ToolEnv
-from turnrl.rollout.limits import Limits
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.tools import load_tools_config
 from turnrl.tools.sandbox import CodeInterpreter, Sandbox, SandboxLimits, SandboxResult
-from turnrl.types import Sample, SamplingParams, StopReason
+from turnrl.types import Limits, Sample, SamplingParams, StopReason
 
 if os.environ.get("CI") != "true":
     pytest.importorskip("shutil").which("bwrap") or pytest.skip("no bwrap (scripts/install_sandbox.sh)")

@@ -12,7 +12,7 @@ import pytest
 
 from turnrl import ChatEncoder, Limits, RolloutSpec, Sample, SamplingParams, collect
 from turnrl.engines.scripted import ScriptedEngine, policy_replies
-from turnrl.envs.search_qa import SearchQAEnv
+from turnrl.env.builtin.search_qa import SearchQAEnv
 from turnrl.tools import ToolConfigError, load_tools_config
 from turnrl.tools.retrieval import BM25Index, load_index, read_corpus
 from turnrl.types import Message, StopReason

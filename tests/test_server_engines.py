@@ -25,6 +25,7 @@ from reference import chat_prompt, max_diff, reference_logprobs
 from turnrl.engines.http import RequestError, ServerError
 from turnrl.engines.openai import OpenAIEngine, completion_payload
 from turnrl.engines.sglang import SGLangEngine
+from turnrl.rollout.spec import RolloutSpec
 from turnrl.testing import until
 from turnrl.types import SamplingParams
 
@@ -614,9 +615,8 @@ async def test_killing_a_server_mid_rollout_loses_no_trajectory(
     from turnrl.chat.encoder import ChatEncoder
     from turnrl.engines.balancer import BalancedEngine
     from turnrl.rollout.collector import collect
-    from turnrl.rollout.loop import Limits, RolloutSpec
     from turnrl.testing import EchoEnv
-    from turnrl.types import Sample, StopReason
+    from turnrl.types import Limits, Sample, StopReason
 
     eos_likely = {"logit_bias": [[EOS, 14.0]]}  # short turns that end on eos (the logprobs stay unbiased)
     options: dict[str, Any] = {"timeout_s": 20.0, "retry_budget_s": 10.0, "extra_body": eos_likely}

@@ -16,11 +16,10 @@ from turnrl.chat.report import DEFAULT_TOOLS, check_template, end_of_turn_ids, r
 from turnrl.chat.template import ChatTemplateError
 from turnrl.engines import ScriptedEngine
 from turnrl.env import ToolEnv
-from turnrl.rollout.limits import Limits
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.testing import EchoEnv
 from turnrl.tools import calculator, tool
-from turnrl.types import Sample, SamplingParams, StopReason
+from turnrl.types import Limits, Sample, SamplingParams, StopReason
 
 NAMES = [f.name for f in FAMILIES]
 # templates whose history a later turn never rewrites (measured with this corpus): a scripted

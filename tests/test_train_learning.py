@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from turnrl.app.training import train
 from turnrl.env import Env, register_env
 from turnrl.train.config import TrainConfig
-from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
 from turnrl.types import StepResult, Trajectory
 

@@ -12,14 +12,14 @@ import pytest
 from rich.console import Console
 
 import turnrl.train.overlap as overlap
-import turnrl.train.trainer as trainer
+import turnrl.train.update as update_module
+from turnrl.app.training import train
 from turnrl.engines.hf.scheduler import Scheduler
 from turnrl.env import register_env
 from turnrl.rollout.codec import trajectory_from_json
 from turnrl.rollout.collector import collect
 from turnrl.testing import ParityEnv
 from turnrl.train.config import TrainConfig
-from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
 from turnrl.types import Trajectory
 
@@ -78,13 +78,13 @@ def test_a_slow_trainer_never_trains_past_the_staleness_bound(
     """The trainer sleeps a second per update, so the producer runs ahead to its in-flight bound
     and groups wait in the queue across updates: those with a token more than one version old
     are refused at batch time, and no step trains on one."""
-    update = trainer.update_policy
+    update = update_module.update_policy
 
     def slow(*args: Any, **kwargs: Any) -> dict[str, float]:
         time.sleep(1.0)
         return update(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "update_policy", slow)
+    monkeypatch.setattr(update_module, "update_policy", slow)
     started = count_groups(monkeypatch)
     cfg = config(tmp_path, tiny_qwen3_dir, "async", overlap=True, max_inflight_groups=6)
     train(cfg, console=QUIET)

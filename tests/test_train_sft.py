@@ -9,11 +9,11 @@ import torch
 
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.data import to_samples
-from turnrl.envs.key_lookup import KeyLookupEnv, answer_of, demonstration
+from turnrl.env.builtin.key_lookup import KeyLookupEnv, answer_of, demonstration
 from turnrl.models import load_model, load_tokenizer
-from turnrl.rollout.loop import Limits, RolloutSpec
+from turnrl.rollout.spec import RolloutSpec
 from turnrl.train.sft import demonstrations, sft_epochs
-from turnrl.types import SamplingParams, StopReason
+from turnrl.types import Limits, SamplingParams, StopReason
 
 
 def spec(tokenizer: object) -> RolloutSpec:
@@ -72,7 +72,7 @@ def test_every_demonstration_is_the_tool_call_then_the_code() -> None:
 
 @pytest.mark.parametrize("key", ["apple", " 'apple' ", "APPLE"])
 async def test_lookup_tool_is_forgiving_about_quotes_and_case(key: str) -> None:
-    from turnrl.envs.key_lookup import lookup_tool
+    from turnrl.env.builtin.key_lookup import lookup_tool
 
     tool = lookup_tool({"apple": "1234"})
     out = await tool.execute("i", {"key": key})

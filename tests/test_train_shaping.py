@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from turnrl.app.training import build_run
 from turnrl.env import Env, register_env
 from turnrl.rollout.codec import trajectory_from_json
 from turnrl.train.config import TrainConfig
 from turnrl.train.shaping import overlong_penalty, refill_count, shape_overlong, varied_groups
-from turnrl.train.trainer import build_run, train_step
+from turnrl.train.trainer import train_step
 from turnrl.types import Message, StepResult, StopReason, Trajectory
 
 QUIET = Console(file=io.StringIO())

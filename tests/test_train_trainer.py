@@ -13,14 +13,14 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from turnrl.app.training import build_run, train
 from turnrl.config import ConfigError
 from turnrl.env import register_env
 from turnrl.testing import ParityEnv
 from turnrl.train.batch import step_prompts
 from turnrl.train.config import LoraSettings, TrainConfig, load_train_config
-from turnrl.train.loop import train
 from turnrl.train.metrics import read_metrics
-from turnrl.train.trainer import build_run, train_step
+from turnrl.train.trainer import train_step
 from turnrl.types import Sample, SamplingParams
 
 QUIET = Console(file=io.StringIO())
@@ -205,14 +205,14 @@ def test_warm_start_runs_once_and_is_checkpointed(tmp_path: Path, tiny_qwen3_dir
     cfg = TrainConfig.model_validate(
         {
             "model": str(tiny_qwen3_dir),
-            "env": {"name": "turnrl.envs.key_lookup:KeyLookupEnv"},
+            "env": {"name": "turnrl.env.builtin.key_lookup:KeyLookupEnv"},
             "data": {"kwargs": {"size": 4}},
             "sampling": {"max_tokens": 32},
             "limits": {"max_turns": 2, "max_context_tokens": 1024},
             "rollout": {"group_size": 2},
             "train": {"steps": 1, "prompts_per_step": 2, "plot": False},
             "warm_start": {
-                "demos": "turnrl.envs.key_lookup:demonstration",
+                "demos": "turnrl.env.builtin.key_lookup:demonstration",
                 "data": {"kwargs": {"size": 4, "seed": 2}},
                 "lr": 1e-3,
             },

@@ -11,10 +11,11 @@ import torch
 from PIL import Image
 from rich.console import Console
 
+from turnrl.app.training import build_run
 from turnrl.env import Env, register_env
 from turnrl.models import resolve_model
 from turnrl.train.config import TrainConfig
-from turnrl.train.trainer import build_run, train_step
+from turnrl.train.trainer import train_step
 from turnrl.types import Message, StepResult, Trajectory
 
 QUIET = Console(file=io.StringIO())

@@ -24,11 +24,11 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.scripted import Reply, ScriptedEngine, ScriptedReply
 from turnrl.env.tool_env import ToolEnv
 from turnrl.rollout.collector import collect
-from turnrl.rollout.loop import Limits, RolloutSpec
+from turnrl.rollout.spec import RolloutSpec
 from turnrl.testing import EchoEnv
 from turnrl.tools import FunctionTool
 from turnrl.tools.builtin import calculator
-from turnrl.types import Message, Sample, SamplingParams, StopReason
+from turnrl.types import Limits, Message, Sample, SamplingParams, StopReason
 from turnrl.viewer import ViewerError, load_run_tokenizer, make_server, write_viewer
 from turnrl.viewer.page import to_script_json, turn_messages
 

@@ -19,10 +19,19 @@ from turnrl.env.base import Env
 from turnrl.env.tool_env import ToolEnv
 from turnrl.models import load_tokenizer, load_vision_processor, resolve_model
 from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.tools.function import tool
 from turnrl.train.batch import build_samples
-from turnrl.types import EngineError, Message, Sample, SamplingParams, StepResult, StopReason, Trajectory
+from turnrl.types import (
+    EngineError,
+    Limits,
+    Message,
+    Sample,
+    SamplingParams,
+    StepResult,
+    StopReason,
+    Trajectory,
+)
 from turnrl.vision import ImageTokenError, MultimodalBuffer, VisionProcessor
 from turnrl.vision.processor import image_only_processor
 

@@ -118,10 +118,10 @@ def test_train_takes_vllm_and_refuses_engines_whose_weights_it_cannot_update() -
 def test_in_flight_updates_need_servers_and_one_training_process() -> None:
     from rich.console import Console
 
+    from turnrl.app.training import server_engine
     from turnrl.config import ConfigError
     from turnrl.train.config import load_train_config
     from turnrl.train.data_parallel import Ranks
-    from turnrl.train.trainer import _server_engine
 
     with pytest.raises(ValueError, match="keep_in_flight needs vLLM servers"):
         VLLMEngineConfig(kind="vllm", in_process=True, keep_in_flight=True)
@@ -130,7 +130,7 @@ def test_in_flight_updates_need_servers_and_one_training_process() -> None:
     )
     assert isinstance(config.engine, VLLMEngineConfig)
     with pytest.raises(ConfigError, match="keep_in_flight is not supported under torchrun"):
-        _server_engine(config, config.engine, Console(), Ranks(rank=1, world=2))  # before any server
+        server_engine(config, config.engine, Console(), Ranks(rank=1, world=2))  # before any server
 
 
 def test_the_policy_trains_on_train_device_which_the_embedded_engine_shares() -> None:
@@ -468,8 +468,8 @@ async def test_pause_aborts_keeps_tokens_and_resumes_on_new_weights(
 async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_sync(
     servers: Any, smollm2: Any, tmp_path: Path
 ) -> None:
+    from turnrl.app.training import train_async
     from turnrl.train.config import load_train_config
-    from turnrl.train.loop import train_async
 
     url = servers.servers[0].url
     overrides = [
@@ -516,15 +516,15 @@ async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_t
     each push meet first turns in flight (without it, that depends on the model and the timing)."""
     import vllm_helpers
 
+    from turnrl.app.training import train_async
     from turnrl.rollout.codec import trajectory_from_json
-    from turnrl.train import overlap, trainer
+    from turnrl.train import overlap, weight_sync
     from turnrl.train.config import load_train_config
-    from turnrl.train.loop import train_async
 
     gate = vllm_helpers.PushGate()
     monkeypatch.setattr(vllm_helpers, "GATE", gate)
-    monkeypatch.setattr(overlap, "learn", gate.wrap_learn(overlap.learn))
-    monkeypatch.setattr(trainer, "_servers_load", gate.wrap_load(trainer._servers_load))
+    monkeypatch.setattr(overlap, "learn_from", gate.wrap_learn(overlap.learn_from))
+    monkeypatch.setattr(weight_sync, "servers_load", gate.wrap_load(weight_sync.servers_load))
     url = servers.servers[0].url
     overrides = [
         "model=smollm2-135m",  # the model the session's servers serve
@@ -647,7 +647,7 @@ async def test_a_tiny_qwen3_calls_tools_through_vllm_with_the_hermes_parser(
         tiny_qwen3_dir,
         qwen3_url,
         tmp_path / "lookup",
-        "turnrl.envs.key_lookup:KeyLookupEnv",
+        "turnrl.env.builtin.key_lookup:KeyLookupEnv",
         max_tokens=160,  # a forced call may be spelled in many small tokens
         # a random model may end on <|endoftext|>, which Qwen3's template never writes after a turn
         request_params={"structured_outputs": {"regex": LOOKUP_CALL}, "logit_bias": {"151643": -100}},

@@ -24,10 +24,10 @@ from turnrl.config import VLLMEngineConfig, load_config
 from turnrl.data import sample_from_row
 from turnrl.engines.http import RequestError
 from turnrl.engines.vllm import VLLMServerEngine, one_token_per_image, vision_payload
-from turnrl.envs.zoom import ZoomEnv
+from turnrl.env.builtin.zoom import ZoomEnv
 from turnrl.models import load_model, load_tokenizer, load_vision_processor, resolve_model
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
-from turnrl.types import Sample, SamplingParams, StopReason, Trajectory
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.types import Limits, Sample, SamplingParams, StopReason, Trajectory
 from turnrl.vision import VisionProcessor
 
 MODEL = "tiny-qwen2-vl"
@@ -275,8 +275,9 @@ async def test_grpo_steps_on_a_vlm_with_vllm_rollouts_sync_the_weights_exactly(
     trainer's (ratio 1) and no token carries a stale version."""
     from test_train_vlm import QUIET
 
+    from turnrl.app.training import build_run
     from turnrl.train.config import TrainConfig
-    from turnrl.train.trainer import build_run, train_step
+    from turnrl.train.trainer import train_step
 
     cfg = TrainConfig.model_validate(
         {
@@ -322,7 +323,7 @@ async def test_slimes_generate_with_images_on_an_sglang_endpoint_backed_by_vllm(
 
     from slime_server import Sample, SGLangServer, slime_sampling
 
-    from turnrl.envs.frozen_lake import FrozenLakeEnv
+    from turnrl.env.builtin.frozen_lake import FrozenLakeEnv
     from turnrl.integrations.slime import close_engines, generate
 
     server = SGLangServer(client(vlm_url, vlm), vlm[0], weight_version="2")
@@ -377,7 +378,7 @@ async def test_verls_agent_loop_sends_images_to_vllm_through_verls_own_client(
     from test_integration_verl import SAMPLING, instantiate
     from test_integration_vllm import verl_config
 
-    from turnrl.envs.frozen_lake import FrozenLakeEnv
+    from turnrl.env.builtin.frozen_lake import FrozenLakeEnv
     from turnrl.integrations.verl_servers import server_client, server_handles
 
     tokenizer, vision = vlm

@@ -11,13 +11,13 @@ from turnrl.app import hf_engine
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.data import sample_from_row
 from turnrl.engines.scripted import ScriptedEngine
+from turnrl.env.builtin.frozen_lake import INVALID_HINT, FrozenLakeEnv, parse_action
+from turnrl.env.builtin.zoom import Layout, ZoomEnv, draw_grid
 from turnrl.env.registry import resolve_env
-from turnrl.envs.frozen_lake import INVALID_HINT, FrozenLakeEnv, parse_action
-from turnrl.envs.zoom import Layout, ZoomEnv, draw_grid
 from turnrl.models import load_tokenizer, load_vision_processor
 from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
-from turnrl.rollout.loop import Limits, RolloutSpec, run_trajectory
-from turnrl.types import Message, Sample, SamplingParams, StopReason, Trajectory
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.types import Limits, Message, Sample, SamplingParams, StopReason, Trajectory
 
 pytest.importorskip("gymnasium")
 

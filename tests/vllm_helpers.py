@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from turnrl.envs.key_lookup import KeyLookupEnv
+from turnrl.env.builtin.key_lookup import KeyLookupEnv
 from turnrl.testing import ParityEnv
 from turnrl.types import EngineError, Message
 

@@ -10,7 +10,7 @@ from turnrl.app import hf_engine, load_samples, prepare, run
 from turnrl.chat import ChatEncoder, CheckResult, check_template
 from turnrl.config import RunConfig, load_config
 from turnrl.env import Env, ToolEnv, register_env
-from turnrl.rewards import GroupRewardFn, RewardContext, RewardFn, Rewards
+from turnrl.env.rewards import GroupRewardFn, RewardContext, RewardFn, Rewards
 from turnrl.rollout import (
     Limits,
     RolloutControl,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -24,7 +25,7 @@ TRAIN_SECTIONS = ("algorithm", "optim", "train", "eval", "warm_start")
 def _fresh(output_dir: str, holds_run: Callable[[Path], bool], console: Console) -> str:
     """The output folder of a new run, locked for this process: a folder that holds an earlier run,
     or that another live run writes, is left alone and the next free ``-2``, ``-3``... is used."""
-    from turnrl.run_folder import claim_free, holder
+    from turnrl.support.run_folder import claim_free, holder
 
     out = Path(output_dir)
     fresh = claim_free(out, holds_run)
@@ -51,7 +52,7 @@ def _demo_model_for(model: str, console: Console) -> None:
 
     if model != SMOLLM2_PLAY:
         return
-    from turnrl.train.demo_model import build_demo_model, is_built
+    from turnrl.app.demo_model import build_demo_model, is_built
 
     if not is_built():
         console.print(f"building {SMOLLM2_PLAY} once (a supervised warm start, a few minutes)")
@@ -59,8 +60,8 @@ def _demo_model_for(model: str, console: Console) -> None:
 
 
 def _demo_model(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.app.demo_model import build_demo_model, is_built
     from turnrl.models import SMOLLM2_PLAY
-    from turnrl.train.demo_model import build_demo_model, is_built
 
     if is_built():
         console.print(f"{SMOLLM2_PLAY} is built")
@@ -70,6 +71,7 @@ def _demo_model(args: argparse.Namespace, console: Console) -> int:
 
 
 def _rollout(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.app.output import ROLLOUT, holds_run
     from turnrl.app.run import SUMMARY, TRAJECTORIES, run
     from turnrl.config import load_config
     from turnrl.rollout.report import print_summary
@@ -77,9 +79,9 @@ def _rollout(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config, args.set)
     _demo_model_for(config.model, console)
     if not (args.resume or args.overwrite):
-        out = _fresh(config.output_dir, lambda p: (p / TRAJECTORIES).exists(), console)
+        out = _fresh(config.output_dir, functools.partial(holds_run, kind=ROLLOUT), console)
         config = config.model_copy(update={"output_dir": out})
-    _resume_hint(args, config.output_dir, lambda p: (p / TRAJECTORIES).exists())
+    _resume_hint(args, config.output_dir, functools.partial(holds_run, kind=ROLLOUT))
     summary = run(config, overwrite=args.overwrite, resume=args.resume, console=console)
     print_summary(summary, console)
     console.print(f"wrote {Path(config.output_dir) / TRAJECTORIES} and {SUMMARY}")
@@ -87,15 +89,17 @@ def _rollout(args: argparse.Namespace, console: Console) -> int:
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
-    from turnrl.train import load_train_config, train
-    from turnrl.train.checkpoint import holds_run
+    from turnrl.app.output import TRAINING, holds_run
+    from turnrl.app.training import train
+    from turnrl.train import load_train_config
     from turnrl.train.data_parallel import launched_rank, launched_ranks
 
     config = load_train_config(args.config, args.set)
     _demo_model_for(config.model, console)
     if not (args.resume or args.overwrite or launched_ranks() > 1):  # ranks must agree on the folder
-        config = config.model_copy(update={"output_dir": _fresh(config.output_dir, holds_run, console)})
-    _resume_hint(args, config.output_dir, holds_run)
+        holds = functools.partial(holds_run, kind=TRAINING)
+        config = config.model_copy(update={"output_dir": _fresh(config.output_dir, holds, console)})
+    _resume_hint(args, config.output_dir, functools.partial(holds_run, kind=TRAINING))
     train(config, overwrite=args.overwrite, resume=args.resume, console=console)
     if launched_rank() == 0:  # rank 0 reports for all
         console.print(f"wrote {config.output_dir} (metrics.jsonl, rewards.png, checkpoints)")
@@ -103,8 +107,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 
 
 def _eval(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.app.eval_run import EVAL_FILE, evaluate
     from turnrl.train import load_train_config
-    from turnrl.train.eval_run import EVAL_FILE, evaluate
 
     config = load_train_config(args.config, args.set, purpose="eval")
     _demo_model_for(config.model, console)

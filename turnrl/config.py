@@ -24,9 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from turnrl.imports import add_search_path
-from turnrl.rollout.limits import Limits
-from turnrl.types import SamplingParams
+from turnrl.support.imports import add_search_path
+from turnrl.types import Limits, SamplingParams
 
 
 class ConfigError(ValueError):

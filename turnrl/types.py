@@ -1,10 +1,12 @@
 """The protocol: every type that crosses a part boundary, declared once.
 
 Data (``Sample``, ``Message``, ``Turn``, ``Trajectory``, ``StepResult``), the closed choices
-(``StopReason``, ``FinishReason``), what an engine is asked and answers (``SamplingParams``,
-``Generation``), the engine protocol and its optional capabilities (``Abortable``,
-``WeightUpdatable``). This module imports nothing of turnrl; the JSON codec of a trajectory
-lives in ``turnrl.rollout.jsonl``.
+(``StopReason``, ``FinishReason``), when a trajectory must stop (``Limits``), what an engine is
+asked and answers (``SamplingParams``, ``Generation``), the engine protocol and its optional
+capabilities (``Abortable``, ``WeightUpdatable``, ``WeightFollowing``, ``Versioned``, ``Addressed``,
+``Served``) with typed helpers that callers use instead of probing attributes (``as_abortable``,
+``weight_version``, ...). This module imports nothing of turnrl; the JSON codec of a trajectory
+lives in ``turnrl.rollout.codec``.
 """
 
 from __future__ import annotations
@@ -218,6 +220,27 @@ class TurnContext:
     images: Sequence[Any]  # the images so far, in order of appearance
 
 
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
+class Limits:
+    """When a trajectory must stop, and how hard to try with a failing env."""
+
+    max_turns: Annotated[int, Field(ge=1)] = 8
+    """Model turns."""
+    max_context_tokens: Annotated[int, Field(ge=16)] = 4096
+    """Prompt + response never exceed this."""
+    max_response_tokens: Annotated[int | None, Field(ge=1)] = None
+    """Model + env tokens after the prompt (None: only the context bounds them)."""
+    max_env_retries_per_turn: Annotated[int, Field(ge=0)] = 2
+    """Failed env steps retried before the trajectory ends with env_error."""
+    env_timeout_s: Annotated[float | None, Field(gt=0)] = 60.0
+    """One env step (or reset) longer than this is a failure (None: no timeout)."""
+    max_observation_chars: Annotated[int | None, Field(ge=64)] = 200_000
+    """An observation text longer than this keeps its start and end, the cut said between (None: no cap)."""
+    final_observation: bool = False
+    """Append the observation a step returns with done=True (env tokens, mask 0); off: it is dropped,
+    and the last model turn's info says so (final_observation: dropped)."""
+
+
 CURRENT_TURN: ContextVar[TurnContext | None] = ContextVar("turnrl_current_turn", default=None)
 """The turn being generated in this task, or None outside a rollout."""
 
@@ -280,14 +303,59 @@ class WeightFollowing(Protocol):
         ...
 
 
+@runtime_checkable
+class Versioned(Protocol):
+    """An engine whose weights change while it runs (every engine ``update_weights`` works on)."""
+
+    @property
+    def weight_version(self) -> int:
+        """The weight version it samples with now (0 until the first update)."""
+        ...
+
+
+@runtime_checkable
+class Addressed(Protocol):
+    """An engine that is a client of one server."""
+
+    @property
+    def base_url(self) -> str:
+        """The server's address."""
+        ...
+
+
+@runtime_checkable
+class Served(Protocol):
+    """An engine whose servers turnrl started (and stops when it closes)."""
+
+    @property
+    def urls(self) -> list[str]:
+        """The servers' addresses."""
+        ...
+
+
+def weight_version(engine: object) -> int:
+    """The weight version ``engine`` samples with now; 0 for one whose weights never change."""
+    return int(engine.weight_version) if isinstance(engine, Versioned) else 0
+
+
+def engine_label(engine: object) -> str | None:
+    """The address of the server ``engine`` is a client of, if it is one."""
+    return engine.base_url if isinstance(engine, Addressed) else None
+
+
+def server_urls(engine: object) -> list[str]:
+    """The addresses of the servers turnrl started for ``engine`` (none: it started none)."""
+    return list(engine.urls) if isinstance(engine, Served) else []
+
+
 def can_abort(engine: object) -> bool:
     """Whether ``engine`` has a callable ``abort_all``."""
-    return callable(getattr(engine, "abort_all", None))
+    return isinstance(engine, Abortable) and callable(engine.abort_all)
 
 
 def can_update_weights(engine: object) -> bool:
     """Whether ``engine`` has a callable ``update_weights``."""
-    return callable(getattr(engine, "update_weights", None))
+    return isinstance(engine, WeightUpdatable) and callable(engine.update_weights)
 
 
 def as_abortable(engine: object) -> Abortable:
@@ -299,7 +367,7 @@ def as_abortable(engine: object) -> Abortable:
 
 def as_following(engine: object) -> WeightFollowing:
     """The engine, if it can take up a weight version another process loaded; a clear TypeError otherwise."""
-    if not (isinstance(engine, WeightFollowing) and callable(getattr(engine, "follow_weights", None))):
+    if not (isinstance(engine, WeightFollowing) and callable(engine.follow_weights)):
         raise TypeError(
             f"{type(engine).__name__} cannot take up weights another process loaded (no follow_weights)"
         )

@@ -20,7 +20,6 @@ from turnrl.config import (
     SGLangEngineConfig,
     VLLMEngineConfig,
 )
-from turnrl.imports import import_object
 from turnrl.models import (
     load_model,
     load_tokenizer,
@@ -29,6 +28,7 @@ from turnrl.models import (
     resolve_model,
     stop_token_ids,
 )
+from turnrl.support.imports import import_object
 from turnrl.types import Engine
 
 if TYPE_CHECKING:

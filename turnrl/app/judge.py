@@ -19,7 +19,7 @@ from typing import Any
 
 from turnrl.app.chat_models import ChatModel, ChatReply, Placeholders, chat_model
 from turnrl.config import JUDGE_RANK_RUBRIC, JUDGE_RUBRIC, JudgeConfig
-from turnrl.rewards import RewardContext
+from turnrl.env.rewards import RewardContext
 from turnrl.tools import strip_reasoning
 from turnrl.types import Message, Sample, Trajectory
 from turnrl.vision.content import text_parts

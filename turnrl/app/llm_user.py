@@ -4,7 +4,7 @@ In an interaction YAML::
 
     interaction:
       - name: customer
-        class_name: turnrl.interactions.LLMUser
+        class_name: turnrl.app.LLMUser
         config:
           model: smollm2-135m                 # any engine kind: {model, engine: {kind: vllm, ...}}
           # base_url: http://127.0.0.1:8000/v1  (an OpenAI-compatible chat endpoint instead)

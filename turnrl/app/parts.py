@@ -11,10 +11,10 @@ from turnrl.config import DataConfig, EnvConfig, RunSections
 from turnrl.data import read_rows, to_samples
 from turnrl.env.base import Env, EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
-from turnrl.imports import import_object
+from turnrl.env.rewards import Rewards
 from turnrl.models import load_vision_processor, vocab_size
-from turnrl.rewards import Rewards
-from turnrl.rollout.loop import RolloutSpec
+from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.imports import import_object
 from turnrl.types import Engine, Sample
 
 

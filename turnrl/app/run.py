@@ -3,34 +3,32 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from turnrl.app.engines import build_engine
+from turnrl.app.output import ROLLOUT, open_output, start_output
 from turnrl.app.parts import RunError, build_env_factory, build_spec, load_samples
 from turnrl.app.preflight import check_run, check_template
-from turnrl.config import RunConfig, dump_config
+from turnrl.config import RunConfig
 from turnrl.env.registry import resolve_env
 from turnrl.rollout.codec import json_line
 from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recover
 from turnrl.rollout.failures import FAILURES, check_failures
-from turnrl.rollout.loop import RolloutSpec, TurnHook
 from turnrl.rollout.metrics import summarize, turn_record
-from turnrl.run_folder import FAILED, claim, drop_aside, put_back, release, set_aside
+from turnrl.rollout.spec import RolloutSpec, TurnHook
+from turnrl.support.run_folder import FAILED, drop_aside, put_back, release
 from turnrl.types import Sample, Trajectory, Turn
 
 TRAJECTORIES = "trajectories.jsonl"
 TURNS = "turns.jsonl"
 SUMMARY = "summary.json"
 SERVERS = "servers"  # logs of the servers a run starts
-OUTPUTS = (TRAJECTORIES, TURNS, SUMMARY, "config.yaml")  # what a rollout run writes
 
 
 @dataclass
@@ -44,24 +42,6 @@ class Prepared:
     resume: bool = False
 
 
-RESUME_KEYS = ("model", "env", "data", "chat", "sampling", "limits", "rewards", "group_rewards", "seed")
-
-
-def _check_resumable(config: RunConfig, out_dir: Path) -> None:
-    """A resume must run what the first run ran; name the first key that differs."""
-    saved_path = out_dir / "config.yaml"
-    if not saved_path.exists():
-        raise RunError(f"cannot resume: {saved_path} is missing")
-    saved = yaml.safe_load(saved_path.read_text()) or {}
-    current = dump_config(config)
-    for key in (*RESUME_KEYS, "rollout"):
-        a, b = saved.get(key), current.get(key)
-        if key == "rollout" and isinstance(a, dict) and isinstance(b, dict):
-            a, b = a.get("group_size"), b.get("group_size")
-        if a != b:
-            raise RunError(f"cannot resume: config key {key!r} differs from the run in {out_dir}")
-
-
 def prepare(
     config: RunConfig, overwrite: bool = False, resume: bool = False, console: Console | None = None
 ) -> Prepared:
@@ -70,21 +50,7 @@ def prepare(
     entry = resolve_env(config.env.name)
     samples = load_samples(config.data, entry)
     out_dir = Path(config.output_dir)
-    exists = (out_dir / TRAJECTORIES).exists()
-    if resume and overwrite:
-        raise RunError("--resume and --overwrite exclude each other")
-    if resume and not exists:
-        raise RunError(
-            f"cannot resume: {out_dir / TRAJECTORIES} does not exist (run without --resume to start)"
-        )
-    claim(out_dir)  # one writer per run folder, from here to the end of this process
-    if resume:
-        _check_resumable(config, out_dir)
-    elif exists and not overwrite:
-        raise RunError(
-            f"{out_dir / TRAJECTORIES} already exists (pass --resume, --overwrite or set output_dir)"
-        )
-    check_writable(out_dir)
+    open_output(out_dir, ROLLOUT, config, overwrite, resume)
     env_factory = build_env_factory(config.env, entry)
     check_run(config.env.name, samples, env_factory)
     console = console or Console(stderr=True)
@@ -97,22 +63,6 @@ def prepare(
         asyncio.run(engine.close())
         raise
     return Prepared(config, samples, spec, out_dir, resume)
-
-
-def check_writable(out_dir: Path) -> None:
-    """Fail now, before any model loads, when the output folder cannot be written."""
-    made = [p for p in (out_dir, *out_dir.parents) if not p.exists()]  # left as they were found
-    probe = out_dir / ".turnrl-write-probe"
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise RunError(f"cannot write to the output folder {out_dir}: {exc.strerror or exc}") from None
-    finally:
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
 
 
 def _progress(console: Console) -> Progress:
@@ -170,14 +120,12 @@ def _start_output(prepared: Prepared, console: Console) -> list[Trajectory]:
     """Create the output folder; on resume, recover what is on disk (the turn log cut to the
     finished trajectories' turns), else start empty."""
     out = prepared.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    if prepared.resume:
-        done, _ = recover(out / TRAJECTORIES, say=console.print)
-        keep_turns_of(out / TURNS, {(t.group_id, t.sample_index) for t in done})
-        return done
-    set_aside(out, OUTPUTS)  # an --overwrite keeps the old run until the new one has a good trajectory
-    (out / "config.yaml").write_text(yaml.safe_dump(dump_config(prepared.config), sort_keys=False))
-    return []
+    start_output(out, ROLLOUT, prepared.config, prepared.resume)
+    if not prepared.resume:
+        return []
+    done, _ = recover(out / TRAJECTORIES, say=console.print)
+    keep_turns_of(out / TURNS, {(t.group_id, t.sample_index) for t in done})
+    return done
 
 
 async def run_prepared(prepared: Prepared, console: Console | None = None) -> dict[str, Any]:
@@ -225,7 +173,7 @@ async def run_prepared(prepared: Prepared, console: Console | None = None) -> di
         summary = summarize(finished)
         (prepared.out_dir / SUMMARY).write_text(json.dumps(json.loads(json_line(summary)), indent=2))
     finally:
-        if not good and put_back(prepared.out_dir, OUTPUTS):
+        if not good and put_back(prepared.out_dir, ROLLOUT.outputs):
             console.print(
                 f"{prepared.out_dir}: the new run has no usable trajectory, so the run it replaced is put "
                 f"back; what the new one wrote is in {prepared.out_dir / FAILED}"

@@ -41,6 +41,7 @@ from turnrl.types import (
     as_following,
     as_updatable,
     can_abort,
+    engine_label,
 )
 
 _MAX_SESSIONS = 100_000  # remembered sessions; the least recently used are forgotten first
@@ -95,7 +96,7 @@ class BalancedEngine:
         if names is not None and len(names) != len(engines):
             raise ValueError(f"{len(names)} names for {len(engines)} engines")
         self.engines = list(engines)
-        labels = names or [getattr(e, "base_url", None) or f"engine{i}" for i, e in enumerate(engines)]
+        labels = names or [engine_label(e) or f"engine{i}" for i, e in enumerate(engines)]
         self.stats = [EngineStats(str(label)) for label in labels]
         self.max_sticky_turns = max_sticky_turns
         self.load_factor = load_factor
@@ -136,7 +137,7 @@ class BalancedEngine:
 
     def add_engine(self, engine: Engine, name: str | None = None) -> int:
         """Add an engine while the balancer runs; its index."""
-        label = name or getattr(engine, "base_url", None) or f"engine{len(self.engines)}"
+        label = name or engine_label(engine) or f"engine{len(self.engines)}"
         self.engines.append(engine)
         self.stats.append(EngineStats(str(label)))
         return len(self.engines) - 1

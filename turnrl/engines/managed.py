@@ -15,6 +15,7 @@ from turnrl.types import (
     as_abortable,
     as_following,
     as_updatable,
+    weight_version,
 )
 
 
@@ -51,7 +52,12 @@ class ManagedEngine:
     @property
     def weight_version(self) -> int:
         """The wrapped engine's weight version."""
-        return int(getattr(self.engine, "weight_version", 0))
+        return weight_version(self.engine)
+
+    @property
+    def urls(self) -> list[str]:
+        """The addresses of the servers it started."""
+        return [s.url for s in self.servers]
 
     async def close(self) -> None:
         """Close the engine, then stop every server process."""

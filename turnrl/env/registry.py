@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.env.base import Env, EnvFactory
-from turnrl.imports import import_object
+from turnrl.support.imports import import_object
 from turnrl.types import Sample
 
 Rows = list[dict[str, Any]]
@@ -41,17 +41,17 @@ class EnvEntry:
 
 _ENVS: dict[str, EnvEntry] = {}
 _BUILTIN = {
-    "tool_env": "turnrl.envs.tool_config:ConfiguredToolEnv",
-    "math_tools": "turnrl.envs.math_tools:MathToolEnv",
-    "guess_number": "turnrl.envs.guess_number:GuessNumberEnv",
-    "textarena": "turnrl.envs.textarena_env:TextArenaEnv",
-    "swift_scheduler": "turnrl.envs.swift_scheduler:ThinkingTipsEnv",
-    "frozen_lake": "turnrl.envs.frozen_lake:FrozenLakeEnv",
-    "zoom": "turnrl.envs.zoom:ZoomEnv",
-    "search_qa": "turnrl.envs.search_qa:SearchQAEnv",
-    "gymnasium": "turnrl.envs.gym_env:GymnasiumEnv",
-    "skyrl_gym": "turnrl.envs.skyrl_gym_env:SkyRLGymEnv",
-    "openenv": "turnrl.envs.openenv_env:OpenEnvEnv",
+    "tool_env": "turnrl.env.builtin.tool_config:ConfiguredToolEnv",
+    "math_tools": "turnrl.env.builtin.math_tools:MathToolEnv",
+    "guess_number": "turnrl.env.builtin.guess_number:GuessNumberEnv",
+    "textarena": "turnrl.env.adapters.textarena_env:TextArenaEnv",
+    "swift_scheduler": "turnrl.env.builtin.swift_scheduler:ThinkingTipsEnv",
+    "frozen_lake": "turnrl.env.builtin.frozen_lake:FrozenLakeEnv",
+    "zoom": "turnrl.env.builtin.zoom:ZoomEnv",
+    "search_qa": "turnrl.env.builtin.search_qa:SearchQAEnv",
+    "gymnasium": "turnrl.env.adapters.gym_env:GymnasiumEnv",
+    "skyrl_gym": "turnrl.env.adapters.skyrl_gym_env:SkyRLGymEnv",
+    "openenv": "turnrl.env.adapters.openenv_env:OpenEnvEnv",
 }
 
 

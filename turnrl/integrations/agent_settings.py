@@ -33,10 +33,9 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import ChatConfig, EnvConfig, first_error, read_yaml_mapping
 from turnrl.data import sample_from_row
 from turnrl.env.base import EnvFactory
-from turnrl.imports import import_object
-from turnrl.rewards import RewardContext, RewardFn, Rewards
-from turnrl.rollout.limits import Limits
-from turnrl.types import Sample, SamplingParams, Trajectory
+from turnrl.env.rewards import RewardContext, RewardFn, Rewards
+from turnrl.support.imports import import_object
+from turnrl.types import Limits, Sample, SamplingParams, Trajectory
 from turnrl.vision.processor import VisionProcessor
 
 ENV_FIELD = "turnrl_env"  # a data row's own env: a registered name, module:Class, or {name, kwargs}

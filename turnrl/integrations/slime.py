@@ -59,7 +59,8 @@ from turnrl.integrations.agent_settings import (
     trainer_sample,
     turn_max_tokens,
 )
-from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.rollout.loop import run_trajectory
+from turnrl.rollout.spec import RolloutSpec
 from turnrl.types import Generation, SamplingParams, StopReason, Trajectory
 from turnrl.types import Sample as TurnrlSample
 from turnrl.vision.processor import VisionProcessor

@@ -42,14 +42,14 @@ from turnrl.config import ChatConfig, DataConfig, EnvConfig
 from turnrl.data import to_samples
 from turnrl.env.base import EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
+from turnrl.env.rewards import RewardFn, Rewards
 from turnrl.integrations.prompt_index import ID_FIELD, PromptIndex, tag_prompt
-from turnrl.openmp import release_pool
-from turnrl.rewards import RewardFn, Rewards
 from turnrl.rollout.collector import JsonlWriter
 from turnrl.rollout.episode import describe, failed_trajectory
-from turnrl.rollout.limits import Limits
-from turnrl.rollout.loop import RolloutSpec, run_trajectory
-from turnrl.types import Engine, Sample, SamplingParams, StopReason, Trajectory
+from turnrl.rollout.loop import run_trajectory
+from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.openmp import release_pool
+from turnrl.types import Engine, Limits, Sample, SamplingParams, StopReason, Trajectory
 
 REWARD_KEY = "turnrl_reward"  # per completion: the trajectory's final reward (None: no model turn ran)
 SAMPLE_ID_KEY = "turnrl_sample_id"  # per completion: the sample (group) id the prompt was mapped to
@@ -71,7 +71,7 @@ class _LoopThread:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result (works inside a running loop, e.g. Jupyter).
         The trainer's thread frees its OpenMP pool first: the rollout's engine computes meanwhile
-        (``turnrl.openmp``)."""
+        (``turnrl.support.openmp``)."""
         release_pool()
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 

@@ -53,7 +53,8 @@ from turnrl.integrations.agent_settings import (
     turn_max_tokens,
     vision_processor,
 )
-from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.rollout.loop import run_trajectory
+from turnrl.rollout.spec import RolloutSpec
 from turnrl.types import EngineError, Generation, Sample, SamplingParams, Trajectory
 
 NAME = "turnrl"  # the agent name rows give in their ``agent_name`` field

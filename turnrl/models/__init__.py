@@ -1,7 +1,6 @@
 """Models that load offline: shipped names (tiny random Qwen3 and Qwen2-VL-family models,
 SmolLM2-135M from a GGUF), local folders, and hub ids already in the local cache."""
 
-from turnrl.cache import cache_dir
 from turnrl.models.files import (
     QWEN3_EOS_IDS,
     SMOLLM2_135M,
@@ -26,6 +25,7 @@ from turnrl.models.loading import (
     vocab_size,
 )
 from turnrl.models.tiny_vlm import build_tiny_vlm
+from turnrl.support.cache import cache_dir
 
 __all__ = [
     "QWEN3_EOS_IDS",

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from turnrl.cache import cache_dir
 from turnrl.models.files import (
     _TINY_FORMAT,
     _TINY_MARKER,
@@ -27,6 +26,7 @@ from turnrl.models.files import (
     qwen3_tokenizer_dir,
     smollm2_gguf_path,
 )
+from turnrl.support.cache import cache_dir
 
 if TYPE_CHECKING:
     import torch

@@ -3,9 +3,10 @@
 from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.collector import collect, iter_trajectories, read_trajectories
 from turnrl.rollout.control import RolloutControl
-from turnrl.rollout.limits import Limits
-from turnrl.rollout.loop import RolloutSpec, TurnHook, run_trajectory
+from turnrl.rollout.loop import run_trajectory
 from turnrl.rollout.metrics import summarize
+from turnrl.rollout.spec import RolloutSpec, TurnHook
+from turnrl.types import Limits
 
 __all__ = [
     "Limits",

@@ -13,7 +13,8 @@ from typing import IO, Any
 
 from turnrl.rollout.codec import json_line, trajectory_from_json, trajectory_to_json
 from turnrl.rollout.episode import describe, failed_trajectory
-from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.rollout.loop import run_trajectory
+from turnrl.rollout.spec import RolloutSpec
 from turnrl.types import Sample, StopReason, Trajectory, as_abortable
 
 OnDone = Callable[[Trajectory], None]

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from turnrl.imports import ImportSpecError, import_object
+from turnrl.support.imports import ImportSpecError, import_object
 from turnrl.tools.base import BaseTool, ToolSchema, normalize_schema
 from turnrl.tools.files import read_data_file
 from turnrl.tools.function import FunctionTool

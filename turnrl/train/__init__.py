@@ -1,4 +1,5 @@
-"""Training: GRPO-style RL on exact multi-turn token trajectories (``turnrl train CONFIG``).
+"""Training: GRPO-style RL on exact multi-turn token trajectories (``turnrl train CONFIG``; in
+code, ``turnrl.app.train``, which wires a run from its config).
 
 Importing this package imports torch; ``turnrl`` itself does not import it.
 """
@@ -7,7 +8,6 @@ from turnrl.train.advantages import ESTIMATORS, AdvantageOptions, compute_advant
 from turnrl.train.batch import Batch, TrainSample, build_samples, collate, micro_batches
 from turnrl.train.config import TrainConfig, load_train_config
 from turnrl.train.logprobs import token_logprobs
-from turnrl.train.loop import train, train_async
 from turnrl.train.loss import POLICY_LOSSES, LossInputs, LossOptions, policy_loss, register_loss
 
 __all__ = [
@@ -28,6 +28,4 @@ __all__ = [
     "register_estimator",
     "register_loss",
     "token_logprobs",
-    "train",
-    "train_async",
 ]

@@ -19,27 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from turnrl.config import dump_config
-from turnrl.run_folder import claim, set_aside
-from turnrl.train.config import TrainConfig
+from turnrl.train.fsdp import full_optimizer_state, full_state_dict
+from turnrl.train.state import Run
 
 CHECKPOINTS = "checkpoints"
-RESUME_KEYS = (
-    "model",
-    "env",
-    "data",
-    "chat",
-    "sampling",
-    "limits",
-    "rewards",
-    "group_rewards",
-    "seed",
-    "rollout",
-    "algorithm",
-    "optim",
-)
 
 
 @dataclass
@@ -154,56 +138,24 @@ def latest(out_dir: Path, say: Callable[[str], None] | None = None) -> Resumed |
     return None
 
 
-def check_resumable(config: TrainConfig, out_dir: Path) -> None:
-    """A resume must continue the same run; name the first section that differs."""
-    saved_path = out_dir / "config.yaml"
-    if not saved_path.exists():
-        raise ValueError(f"cannot resume: {saved_path} is missing")
-    saved = yaml.safe_load(saved_path.read_text()) or {}
-    current = dump_config(config)
-    for key in RESUME_KEYS:
-        if saved.get(key) != current.get(key):
-            raise ValueError(f"cannot resume: config key {key!r} differs from the run in {out_dir}")
-
-
-OUTPUTS = ("config.yaml", "metrics.jsonl", "rewards.png", CHECKPOINTS, "eval", "rollouts", "tensorboard")
-
-
-def plan_output(
-    config: TrainConfig,
-    overwrite: bool,
-    resume: bool,
-    writer: bool = True,
-    say: Callable[[str], None] | None = None,
-) -> Resumed | None:
-    """Check the output folder; the checkpoint to resume from, if any. The ``writer`` (rank 0)
-    locks the folder for the rest of the process: one run writes it at a time."""
-    out = Path(config.output_dir)
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite exclude each other")
-    if resume and not (out / "config.yaml").exists():
-        raise ValueError(f"cannot resume: {out} holds no training run (no config.yaml); run without --resume")
-    if writer:
-        claim(out)
-    if resume:
-        check_resumable(config, out)
-        return latest(out, say)
-    if not resume and not overwrite and holds_run(out):
-        raise ValueError(f"{out} already holds a training run (pass --resume, --overwrite or set output_dir)")
-    return None
-
-
-def holds_run(out: Path) -> bool:
-    """Whether ``out`` holds what a training run writes."""
-    return any((out / name).exists() for name in OUTPUTS)
-
-
-def start_output(config: TrainConfig, resumed: Resumed | None) -> None:
-    """Prepare the output folder once the run is known to start: a new run moves aside only what a
-    training run writes (``OUTPUTS``, into ``.replaced``), never the folder, and saves its config."""
-    out = Path(config.output_dir)
-    if resumed is None:  # an --overwrite: the old run is kept aside until the new one has trained a step
-        set_aside(out, OUTPUTS)
-    out.mkdir(parents=True, exist_ok=True)
-    if resumed is None or not (out / "config.yaml").exists():
-        (out / "config.yaml").write_text(yaml.safe_dump(dump_config(config), sort_keys=False))
+def save(run: Run, step: int) -> None:
+    """Write the run's checkpoint of ``step`` (under FSDP every rank gathers; rank 0 writes)."""
+    learner, loop = run.learner, run.config.train
+    weights = optimizer = None
+    if learner.sharded is not None:  # every rank gathers the shards; rank 0 writes the whole
+        weights = full_state_dict(learner.policy)
+        optimizer = full_optimizer_state(learner.sharded, learner.optimizer) if loop.save_optimizer else None
+    if not run.ranks.main:  # every rank holds the same weights: rank 0 writes them
+        return
+    save_checkpoint(
+        run.out_dir,
+        step,
+        learner.policy,
+        learner.tokenizer,
+        learner.optimizer,
+        learner.scheduler,
+        loop.keep_checkpoints,
+        with_optimizer=loop.save_optimizer,
+        state_dict=weights,
+        optimizer_state=optimizer,
+    )

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from turnrl.rollout.collector import OnDone, collect
 from turnrl.rollout.failures import check_failures
-from turnrl.rollout.loop import RolloutSpec
+from turnrl.rollout.spec import RolloutSpec
 from turnrl.train.config import EvalConfig
 from turnrl.types import Sample, Trajectory
 

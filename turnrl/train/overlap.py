@@ -12,7 +12,7 @@ the producer and the engine go on, and pushes the new weights into the running e
 in flight go on under the new weights (a partial rollout across the update): every token keeps
 the version that sampled it. The embedded engine swaps weights between two decode steps; vLLM
 servers have their turns in flight aborted (keeping their tokens), reload, and each turn resumes
-from its last token (``trainer.push_weights`` through the rollout's ``RolloutControl``).
+from its last token (``weight_sync.push_weights`` through the rollout's ``RolloutControl``).
 
 The staleness bound is ``algorithm.max_staleness``: a group with a model token sampled more than
 that many versions before the one serving now is refused at batch time and counted
@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from turnrl.rollout.collector import JsonlWriter, collect
-from turnrl.rollout.loop import RolloutSpec
+from turnrl.rollout.spec import RolloutSpec
 from turnrl.train.batch import step_prompts, step_seed
 from turnrl.train.data_parallel import shard
-from turnrl.train.trainer import Run, StepCounts, learn, rollouts_path, screen
-from turnrl.types import Sample, Trajectory
+from turnrl.train.rounds import StepCounts, StepRollout, fit_to_train, rollouts_path
+from turnrl.train.state import Run
+from turnrl.train.trainer import learn_from
+from turnrl.types import Sample, Trajectory, weight_version
 
 
 @dataclass
@@ -81,7 +83,7 @@ async def _produce(run: Run, step: int, feed: Feed) -> None:
     try:
         while True:
             prompts = shard(
-                step_prompts(run.samples, cfg.train.prompts_per_step, step - 1, cfg.seed), run.ranks
+                step_prompts(run.data.train, cfg.train.prompts_per_step, step - 1, cfg.seed), run.ranks
             )
             sampling = dataclasses.replace(run.spec.sampling, seed=step_seed(cfg.seed, step))
             spec = dataclasses.replace(run.spec, sampling=sampling)
@@ -126,7 +128,7 @@ async def overlapped_step(run: Run, step: int, feed: Feed) -> dict[str, float]:
         feed.slots.release()
         taken += 1
         rolled += group
-        batch = screen(run, group, counts)
+        batch = fit_to_train(run, group, counts)
         if dynamic is not None and len({t.reward for t in batch}) < 2:
             counts.shaped["dynamic/flat_groups"] += 1
             batch = []
@@ -144,10 +146,10 @@ async def overlapped_step(run: Run, step: int, feed: Feed) -> dict[str, float]:
         counts.shaped["dynamic/short_groups"] += target - len(kept)
     trajs = [t for batch in kept for t in batch]
     _write(rollouts_path(run, step), rolled)
-    metrics = staleness(trajs, int(getattr(run.engine, "weight_version", 0)))
+    metrics = staleness(trajs, weight_version(run.engine))
     metrics |= {"async/trainer_idle_s": waited, "async/rollout_idle_s": feed.rollout_idle_s}
     feed.rollout_idle_s = 0.0
-    return metrics | await learn(run, rolled, trajs, counts, t0, cpu0)
+    return metrics | await learn_from(run, StepRollout(rolled, trajs, counts), t0, cpu0)
 
 
 def staleness(trajs: list[Trajectory], current: int) -> dict[str, float]:

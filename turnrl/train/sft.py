@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
-from turnrl.app.parts import load_samples
 from turnrl.engines.scripted import ScriptedEngine
-from turnrl.env.registry import resolve_env
-from turnrl.imports import import_object
-from turnrl.rollout.loop import RolloutSpec, run_trajectory
+from turnrl.rollout.loop import run_trajectory
+from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.imports import import_object
 from turnrl.train.batch import batches_of, build_samples, packs
 from turnrl.train.config import TrainConfig
 from turnrl.train.data_parallel import clip_gradients
@@ -118,16 +117,16 @@ async def warm_start(
     model: Any,
     spec: RolloutSpec,
     config: TrainConfig,
+    samples: list[Sample],
     progress: TrainProgress | None = None,
     forward: Callable[..., torch.Tensor] | None = None,
     grad_scale: float = 1.0,
 ) -> dict[str, float]:
-    """Replay ``config.warm_start``'s demonstrations through the env, then train ``model`` on them
-    (``forward`` and ``grad_scale``: see ``sft_epochs``)."""
+    """Replay ``config.warm_start``'s demonstrations of ``samples`` (its data) through the env, then
+    train ``model`` on them (``forward`` and ``grad_scale``: see ``sft_epochs``)."""
     cfg = config.warm_start
     assert cfg is not None
     t0 = time.perf_counter()
-    samples = load_samples(cfg.data, resolve_env(config.env.name))
     if progress is not None:
         progress.phase("warm start: replay", len(samples))
     done = progress.trajectory_done if progress is not None else None

@@ -21,7 +21,7 @@ from turnrl.engines.hf.prefix_cache import PrefixCache
 from turnrl.engines.hf.requests import Request, WeightUpdate
 from turnrl.engines.hf.scheduler import Scheduler
 from turnrl.engines.weights import load_state_dict
-from turnrl.openmp import release_pool
+from turnrl.support.openmp import release_pool
 from turnrl.types import EngineError, Generation, SamplingParams, Weights
 from turnrl.vision.processor import ImageInput, ImageTokenError, VisionProcessor, as_image_inputs
 
@@ -168,7 +168,7 @@ class HFEngine:
         session: str | None = None,
     ) -> Generation:
         """Sample a continuation of ``prompt_ids``; concurrent calls share decode steps."""
-        release_pool()  # this thread hands the cores to the engine's worker (``turnrl.openmp``)
+        release_pool()  # this thread hands the cores to the engine's worker (``turnrl.support.openmp``)
         request = self._make_request(list(prompt_ids), sampling, images)
         request.session = session
         if request.max_new_tokens <= 0:

@@ -26,7 +26,7 @@ from turnrl.engines.hf.prefill import Row, chunks, inputs, row_kv
 from turnrl.engines.hf.prefix_cache import PrefixCache
 from turnrl.engines.hf.requests import Request, WeightUpdate, resolve
 from turnrl.engines.hf.sampling import sample_tokens
-from turnrl.openmp import release_pool
+from turnrl.support.openmp import release_pool
 from turnrl.types import EngineError, FinishReason
 from turnrl.vision.processor import VisionProcessor
 

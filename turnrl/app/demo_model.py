@@ -24,18 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.app.parts import build_env_factory, load_samples
-from turnrl.cache import cache_dir
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import DataConfig, EnvConfig
 from turnrl.env.registry import resolve_env
-from turnrl.imports import import_object
 from turnrl.models import SMOLLM2_135M, SMOLLM2_PLAY
 from turnrl.models.files import build_once
 from turnrl.models.loading import load_model, load_tokenizer
-from turnrl.rollout.limits import Limits
-from turnrl.rollout.loop import RolloutSpec
+from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.cache import cache_dir
+from turnrl.support.imports import import_object
 from turnrl.train.sft import demonstrations, sft_epochs
-from turnrl.types import Sample, SamplingParams, Trajectory
+from turnrl.types import Limits, Sample, SamplingParams, Trajectory
 
 _MARKER = "turnrl_demo_model.json"
 
@@ -51,16 +50,18 @@ class Game:
 
 
 GAMES = (
-    Game("guess_number", {"size": 40, "hi": 20, "seed": 101}, "turnrl.envs.guess_number:demonstration"),
+    Game(
+        "guess_number", {"size": 40, "hi": 20, "seed": 101}, "turnrl.env.builtin.guess_number:demonstration"
+    ),
     Game(
         "math_tools",
         {"tasks": ["basic_arithmetic"], "size": 40, "seed": 101},
-        "turnrl.envs.math_tools:demonstration",
+        "turnrl.env.builtin.math_tools:demonstration",
     ),
     Game(
         "search_qa",
         {"size": 56, "seed": 101},
-        "turnrl.envs.search_qa:demonstration",
+        "turnrl.env.builtin.search_qa:demonstration",
         held_out={"size": 32, "seed": 0},
     ),
 )

@@ -14,8 +14,8 @@ import random
 import re
 from typing import Any
 
+from turnrl.env.builtin.math_tools import last_model_text
 from turnrl.env.tool_env import ToolEnv
-from turnrl.envs.math_tools import last_model_text
 from turnrl.tools import FunctionTool, strip_reasoning
 from turnrl.types import Message, Sample, Trajectory
 

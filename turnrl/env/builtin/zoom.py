@@ -18,10 +18,10 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from turnrl.env.builtin.frozen_lake import with_image
+from turnrl.env.builtin.key_lookup import answer_of
+from turnrl.env.builtin.math_tools import last_model_text
 from turnrl.env.tool_env import ToolEnv
-from turnrl.envs.frozen_lake import with_image
-from turnrl.envs.key_lookup import answer_of
-from turnrl.envs.math_tools import last_model_text
 from turnrl.tools import FunctionTool, ToolArgumentError, ToolOutput
 from turnrl.tools.parsers import ToolParser
 from turnrl.types import Message, Sample, Trajectory

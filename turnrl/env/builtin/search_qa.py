@@ -14,8 +14,8 @@ import random
 from collections import Counter
 from typing import Any
 
+from turnrl.env.builtin.math_tools import answers_match, extract_answer, last_model_text
 from turnrl.env.tool_env import ToolEnv
-from turnrl.envs.math_tools import answers_match, extract_answer, last_model_text
 from turnrl.tools.parsers import ToolParser
 from turnrl.tools.retrieval import PYTHON_DOCS, BM25Search, load_index
 from turnrl.types import Message, Sample, Trajectory

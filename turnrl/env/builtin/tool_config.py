@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from turnrl.env.builtin.math_tools import answers_match, extract_answer
 from turnrl.env.interaction import interactions_from_file
+from turnrl.env.rewards import RewardContext
 from turnrl.env.tool_env import ToolEnv
-from turnrl.envs.math_tools import answers_match, extract_answer
-from turnrl.rewards import RewardContext
 from turnrl.tools import BaseTool, ToolArgumentError, ToolOutput, load_tools_config
 from turnrl.tools.files import file_version
 from turnrl.tools.parsers import ToolParser

@@ -91,12 +91,16 @@ def release(folder: Path) -> None:
         os.close(fd)  # closing the descriptor drops the flock
 
 
+def _cannot_write(folder: Path, exc: OSError) -> RunFolderBusy:
+    return RunFolderBusy(f"cannot write to the output folder {folder}: {exc.strerror or exc}")
+
+
 def claim(folder: Path) -> None:
     """Lock ``folder`` for this process, or refuse naming the process that writes it."""
     try:
         locked = try_lock(folder)
     except OSError as exc:
-        raise RunFolderBusy(f"cannot write to the output folder {folder}: {exc.strerror or exc}") from None
+        raise _cannot_write(folder, exc) from None
     if not locked:
         raise RunFolderBusy(
             f"{folder} is being written by another turnrl run (PID {holder(folder)}): wait for it to end, "
@@ -116,9 +120,7 @@ def claim_free(out: Path, holds_run: Callable[[Path], bool]) -> Path:
                     return folder
                 release(folder)
         except OSError as exc:
-            raise RunFolderBusy(
-                f"cannot write to the output folder {folder}: {exc.strerror or exc}"
-            ) from None
+            raise _cannot_write(folder, exc) from None
         n += 1
 
 

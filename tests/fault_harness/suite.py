@@ -34,19 +34,18 @@ from typing import Any, Literal
 
 import yaml
 
+from fault_harness.envs import BLOCK_S, BlockingFaultyEnv, EnvFaultKind, FaultyEnv, fault_tools
+from fault_harness.server import Fault, FaultServer
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.openai import OpenAIEngine
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.base import Env
 from turnrl.env.tool_env import ToolEnv
-from turnrl.faults.envs import BLOCK_S, BlockingFaultyEnv, EnvFaultKind, FaultyEnv, fault_tools
-from turnrl.faults.server import Fault, FaultServer
 from turnrl.rollout.codec import trajectory_from_json
 from turnrl.rollout.collector import collect
-from turnrl.rollout.limits import Limits
-from turnrl.rollout.loop import RolloutSpec
 from turnrl.rollout.metrics import summarize
-from turnrl.types import Engine, Sample, SamplingParams, StopReason, Trajectory
+from turnrl.rollout.spec import RolloutSpec
+from turnrl.types import Engine, Limits, Sample, SamplingParams, StopReason, Trajectory
 
 ERROR_STOPS = frozenset({StopReason.ENV_ERROR, StopReason.ENGINE_ERROR, StopReason.INTERNAL_ERROR})
 STORY = "Once upon a time, a fox found a key."
@@ -429,7 +428,7 @@ def _config(kit: Kit, url: str, out: Path, n: int) -> Path:
     config = {
         "model": str(kit.model_dir),
         "engine": {"kind": "openai", "urls": [url], "timeout_s": 10, "max_retries": 2},
-        "env": {"name": "turnrl.faults.envs:FaultyEnv", "kwargs": {"rate": 0.0, "done_after": 4}},
+        "env": {"name": "fault_harness.envs:FaultyEnv", "kwargs": {"rate": 0.0, "done_after": 4}},
         "data": {"kwargs": {"size": n}},
         "sampling": {"max_tokens": 32, "temperature": 1.0},
         "limits": {"max_turns": 4, "max_context_tokens": 2048},
@@ -442,7 +441,15 @@ def _config(kit: Kit, url: str, out: Path, n: int) -> Path:
 
 
 def _turnrl(config: Path, *extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TERM": "dumb"}
+    tests = str(Path(__file__).resolve().parents[1])  # where ``fault_harness`` is imported from
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TERM": "dumb",
+        "PYTHONPATH": path,
+    }
     command = [sys.executable, "-m", "turnrl.cli", "rollout", str(config), *extra]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

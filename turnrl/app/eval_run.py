@@ -10,11 +10,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from turnrl.app.engines import build_engine
+from turnrl.app.output import EVAL, open_output
 from turnrl.app.parts import RunError, build_env_factory, build_spec, load_samples
 from turnrl.app.preflight import check_run, check_template
-from turnrl.app.run import SERVERS, check_writable
+from turnrl.app.run import SERVERS
 from turnrl.env.registry import resolve_env
 from turnrl.rollout.failures import FAILURES
+from turnrl.support.run_folder import release
 from turnrl.train.config import TrainConfig
 from turnrl.train.evaluation import EVAL_SEED_OFFSET, EvalRow, report_table, run_eval
 from turnrl.types import Trajectory
@@ -63,7 +65,7 @@ async def evaluate_config(
         raise RunError("the config has no held-out set: set eval.data (e.g. --set eval.data.path=FILE)")
     entry = resolve_env(config.env.name)
     samples = load_samples(config.eval.data, entry)
-    check_writable(out_dir)
+    open_output(out_dir, EVAL, config, overwrite=True, resume=False)  # locked: one evaluation at a time
     env_factory = build_env_factory(config.env, entry)
     check_run(config.env.name, samples, env_factory)
     if checkpoint is not None:
@@ -100,6 +102,7 @@ async def evaluate_config(
                 on_done=on_done,
             )
     finally:
+        release(out_dir)
         await engine.close()
         shutdown = getattr(env_factory, "shutdown", None)
         if callable(shutdown):

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from turnrl.env.base import Env
-from turnrl.envs.math_tools import answers_match, extract_answer, last_model_text
+from turnrl.env.builtin.math_tools import answers_match, extract_answer, last_model_text
 from turnrl.types import Message, Sample, StepResult, Trajectory
 
 TIPS_SYSTEM_PROMPT = "Think step by step, then give the final answer as <answer>...</answer>."

@@ -1,0 +1,62 @@
+"""What a rollout is given (``RolloutSpec``) and what one episode carries from turn to turn (``Play``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from turnrl.chat.check import CheckMode
+from turnrl.chat.encoder import ChatEncoder, ConversationEncoder
+from turnrl.env.base import Env, EnvFactory
+from turnrl.env.rewards import Rewards
+from turnrl.rollout.control import RolloutControl
+from turnrl.rollout.episode import Episode
+from turnrl.types import Engine, Limits, Sample, SamplingParams, Turn
+
+
+@dataclass
+class RolloutSpec:
+    """Everything a trajectory needs besides its sample."""
+
+    env_factory: EnvFactory  # builds a fresh env per trajectory
+    engine: Engine  # generates from token ids
+    encoder: ChatEncoder  # the model's chat template and tokenizer
+    sampling: SamplingParams  # per-turn sampling
+    limits: Limits  # stop conditions
+    check: CheckMode = "strict"  # sanity check of the final sequence
+    rewards: Rewards = field(default_factory=Rewards)  # reward functions by data source
+    on_turn: TurnHook | None = None  # called after every turn is appended (per-turn logging)
+    control: RolloutControl | None = None  # pause/resume/stop for partial rollout
+    mask_offpolicy: bool = False  # mask (0) model tokens sampled by an older policy than the newest
+    inference_contexts: bool = False  # record each turn's context as a chat server would render it
+    vocab_size: int | None = None  # sampled ids at or above it end the trajectory as engine_error
+
+
+TurnHook = Callable[[Sample, int, int, Turn], None]
+"""Called with (sample, sample_index, turn_index, turn) as each turn completes."""
+
+
+@dataclass
+class Play:
+    """One episode being played: its state, its env, the spec, and (once the prompt is encoded) the
+    conversation's encoder. Every step of the turn loop takes this one object."""
+
+    ep: Episode
+    env: Env
+    spec: RolloutSpec
+    conv: ConversationEncoder | None = None
+
+    @property
+    def encoder(self) -> ConversationEncoder:
+        """The conversation's encoder (set once the prompt is encoded)."""
+        if self.conv is None:
+            raise RuntimeError("the prompt is not encoded yet")
+        return self.conv
+
+    def notify(self) -> None:
+        """Report the turns completed since the last call (a model turn once its env step is done)."""
+        record, hook = self.ep.record, self.spec.on_turn
+        while record.reported < len(record.turns):
+            if hook is not None:
+                hook(self.ep.sample, self.ep.index, record.reported, record.turns[record.reported])
+            record.reported += 1
