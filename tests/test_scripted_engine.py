@@ -77,8 +77,14 @@ async def test_errors_exhaustion_and_close(qwen3_tokenizer: Any) -> None:
 
 async def test_delay_lets_calls_overlap(qwen3_tokenizer: Any) -> None:
     engine = ScriptedEngine(qwen3_tokenizer, lambda prompt, sampling: "ok", delay_s=0.2)
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    await asyncio.gather(*(engine.generate([i], SAMPLING) for i in range(5)))
-    assert loop.time() - start < 0.6
+    in_flight_at_first_return: list[int] = []
+
+    async def call(i: int) -> None:
+        await engine.generate([i], SAMPLING)
+        if not in_flight_at_first_return:
+            in_flight_at_first_return.append(len(engine.calls))
+
+    await asyncio.gather(*(call(i) for i in range(5)))
+    # when the first call returned, all five had been received: they waited out their delays together
+    assert in_flight_at_first_return == [5]
     assert sorted(p[0] for p in engine.prompts) == [0, 1, 2, 3, 4]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import os
@@ -106,6 +107,19 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _gateway(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.app.gateway import load_gateway_config, serve
+    from turnrl.app.output import GATEWAY, holds_run
+
+    config = load_gateway_config(args.config, args.set)
+    _demo_model_for(config.model, console)
+    if not args.overwrite:
+        out = _fresh(config.output_dir, functools.partial(holds_run, kind=GATEWAY), console)
+        config = config.model_copy(update={"output_dir": out})
+    asyncio.run(serve(config, overwrite=args.overwrite, console=console))
+    return 0
+
+
 def _eval(args: argparse.Namespace, console: Console) -> int:
     from turnrl.app.eval_run import EVAL_FILE, evaluate
     from turnrl.train import load_train_config
@@ -196,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="where to write eval.jsonl and eval.json (default CHECKPOINT/eval)")
     ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     ev.set_defaults(func=_eval)
+    gw = sub.add_parser("gateway", help="serve a model on the OpenAI API and record token-exact sessions")
+    gw.add_argument("config", help="YAML gateway config (model, engine, sampling, output_dir, port)")
+    gw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    gw.add_argument("--overwrite", action="store_true", help="replace the calls in output_dir")
+    gw.set_defaults(func=_gateway)
     srv = sub.add_parser("serve", help="start this node's engines on Ray and register them", add_help=False)
     srv.add_argument("serve_args", nargs=argparse.REMAINDER, help="see `turnrl serve --help`")
     srv.set_defaults(func=_serve)

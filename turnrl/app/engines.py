@@ -8,14 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from turnrl.config import (
     AnyEngineConfig,
+    EngineConfig,
     HFEngineConfig,
     OpenAIEngineConfig,
     RayEngineConfig,
-    RunSections,
     ScriptedEngineConfig,
     SGLangEngineConfig,
     VLLMEngineConfig,
@@ -46,8 +46,19 @@ class EngineSetupError(ValueError):
 Say = Callable[[str], None]  # where a long set-up step reports progress
 
 
+class EngineSections(Protocol):
+    """What building an engine reads of a config (a run's, or the gateway's)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def engine(self) -> EngineConfig: ...
+    @property
+    def seed(self) -> int: ...
+
+
 def build_engine(
-    config: RunSections, log_dir: Path | None = None, say: Say | None = None
+    config: EngineSections, log_dir: Path | None = None, say: Say | None = None
 ) -> tuple[Engine, Any]:
     """The engine and the tokenizer for ``config.model``: in this process, or on Ray (``engine.ray``).
 

@@ -1,0 +1,84 @@
+"""``turnrl gateway CONFIG``: the gateway wired from its config and served over HTTP.
+
+The engine is built as for a rollout (embedded, vLLM, servers by URL, Ray); the chat encoder and the
+tool-call parser follow the model's chat template; every completed call is appended to
+``OUT/calls.jsonl`` (the output folder is locked, like a run's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+from rich.console import Console
+
+from turnrl.app.engines import build_engine
+from turnrl.app.output import GATEWAY, open_output, start_output
+from turnrl.app.run import SERVERS
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.config import load_model_config
+from turnrl.gateway.config import GatewayConfig
+from turnrl.gateway.server import Gateway, make_app
+from turnrl.gateway.store import CallLog
+from turnrl.models import load_vision_processor
+from turnrl.support.run_folder import release
+from turnrl.tools.parsers import get_parser, parser_for_template
+
+
+def load_gateway_config(path: str | Path, overrides: list[str] | None = None) -> GatewayConfig:
+    """Read a gateway config, apply ``--set`` overrides, validate."""
+    return load_model_config(path, GatewayConfig, overrides)
+
+
+def build_gateway(config: GatewayConfig, console: Console) -> Gateway:
+    """The engine, encoder, parser and call log of ``config`` (the output folder already checked)."""
+    out = Path(config.output_dir)
+    with console.status(f"loading {config.model}") as status:
+        engine, tokenizer = build_engine(config, out / SERVERS, say=status.update)
+    encoder = ChatEncoder(
+        tokenizer, config.chat.template_kwargs, load_vision_processor(config.model, tokenizer)
+    )
+    name = parser_for_template(str(getattr(tokenizer, "chat_template", None) or ""))
+    return Gateway(engine, encoder, get_parser(name) if name else None, config, CallLog(out))
+
+
+async def serve(
+    config: GatewayConfig,
+    overwrite: bool = False,
+    console: Console | None = None,
+    ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until stopped (Ctrl-C, SIGTERM); ``ready`` gets the base URL once it listens."""
+    console = console or Console(stderr=True)
+    out = Path(config.output_dir)
+    open_output(out, GATEWAY, config, overwrite, resume=False)
+    try:
+        start_output(out, GATEWAY, config, resume=False)
+        gateway = build_gateway(config, console)
+        server = uvicorn.Server(
+            uvicorn.Config(make_app(gateway), config.host, config.port, log_level="warning")
+        )
+        task = asyncio.create_task(server.serve())
+        try:
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if server.started:
+                port = server.servers[0].sockets[0].getsockname()[1]
+                url = f"http://{config.host}:{port}"
+                console.print(
+                    f"serving {gateway.model} at {url}/v1 (a session per API key, or {url}/s/NAME/v1)"
+                )
+                console.print(f"writing {out / 'calls.jsonl'}")
+                if ready is not None:
+                    ready(url)
+            await task
+        finally:
+            server.should_exit = True
+            await asyncio.gather(task, return_exceptions=True)
+            if gateway.log is not None:
+                gateway.log.close()
+            await gateway.engine.close()
+    finally:
+        release(out)

@@ -1,0 +1,37 @@
+"""The ``turnrl gateway`` config: the model and engine it serves, sampling it forces, where it writes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from turnrl.config import ChatConfig, EngineConfig, HFEngineConfig, Strict
+from turnrl.types import SamplingParams
+
+
+class GatewayConfig(Strict):
+    """A ``turnrl gateway`` server: an OpenAI-compatible endpoint that records token-exact sessions."""
+
+    model: str
+    """HF id in the local cache, a local folder, or a shipped name (tiny-qwen3, smollm2-135m...)."""
+    engine: EngineConfig = Field(default_factory=HFEngineConfig)
+    """The engine that generates."""
+    chat: ChatConfig = Field(default_factory=ChatConfig)
+    """Chat template options."""
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    """Sampling forced on every call, whatever the client sends (a client's max_tokens may only
+    lower ``max_tokens``)."""
+    max_session_tokens: Annotated[int, Field(ge=16)] = 32768
+    """A branch's tokens (prompt + replies + what the client added) never exceed this: a call that
+    would is refused with the API's context-length error."""
+    seed: int = 0
+    """Each call's seed derives from it, the session, the branch and the call."""
+    output_dir: str = "runs/gateway"
+    """Where ``calls.jsonl`` (every completed call, appended as it completes) is written."""
+    host: str = "127.0.0.1"
+    """The address the server listens on (loopback by default)."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    """The port (0: any free one, said at start)."""
+    served_name: str | None = None
+    """The model name clients use (default: ``model``); ``/v1/models`` lists it."""

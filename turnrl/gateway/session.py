@@ -1,0 +1,315 @@
+"""Sessions as forests of append-only branches, each a token-exact record of what the model saw.
+
+A call whose messages extend a branch's last request plus the reply the gateway gave (compared by
+meaning: ``messages.same``) appends only the new messages, as deltas of the chat template (mask 0),
+then the sampled reply (mask 1): nothing is ever re-tokenized. Any other call starts a new branch,
+which says why (``Reason``) and which branch it forked from. It starts from the longest prefix that
+is still token-exact: the tokens of an earlier call's request (the same request again), or of an
+earlier call's request and reply (what follows is encoded as deltas); only when no such prefix
+exists (other tools, a rewritten system prompt or first message) is the request encoded afresh.
+``shared_tokens`` says how many leading tokens a branch shares with its parent, so a trainer can
+compute them once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from turnrl.chat.encoder import ChatEncoder, ConversationEncoder, Encoded
+from turnrl.gateway.messages import (
+    first_difference,
+    key,
+    reply_message,
+    same,
+    sampled_message,
+    template_message,
+)
+from turnrl.rollout.episode import Episode
+from turnrl.rollout.record import ResponseRecord
+from turnrl.tools.base import ParseResult
+from turnrl.tools.parser_base import ToolParser, split_reasoning
+from turnrl.types import Generation, Sample, StopReason, Trajectory
+
+
+class Reason(StrEnum):
+    """Why a call starts a new branch instead of extending one."""
+
+    FIRST = "first"  # the session's first call
+    RETRY = "retry"  # a request sent before, again (what followed it is left on the parent)
+    COMPACTION = "compaction"  # the history was rewritten shorter (summarized, compacted)
+    TRUNCATION = "truncation"  # the history was cut back to a prefix of what the model saw
+    EDIT = "edit"  # a message the model saw was edited
+    SUBAGENT = "subagent"  # a different system prompt or other tools: another agent's conversation
+    CUT_REPLY = "cut_reply"  # the last reply was cut at max_tokens, so nothing can follow it exactly
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where a branch stood at one call: its request's messages and tokens, and after the reply."""
+
+    request_messages: int  # API messages in the call's request (a prefix of the branch's ``seen``)
+    prompt_end: int  # tokens up to the end of the request (generation prompt included)
+    prompt_record_messages: int  # the record's messages at that point
+    reply_end: int  # tokens up to the end of the reply
+    reply_record_messages: int
+    open: bool  # the reply ended on the template's end of turn
+    last_token_text: str | None  # the reply's last token, as text
+
+
+@dataclass
+class Branch:
+    """One append-only branch: its token record and the messages a continuation must start with."""
+
+    index: int
+    episode: Episode  # the token record (ids, mask, logprobs, versions, turns, messages)
+    conv: ConversationEncoder  # the branch's delta encoder (its tools)
+    tools_key: str  # the tools it was encoded with, as canonical JSON
+    seen: list[dict[str, Any]] = field(default_factory=list)  # the last request and the reply given
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # one per call
+    parent: int | None = None  # the branch it forked from
+    reason: Reason = Reason.FIRST
+    shared_tokens: int = 0  # leading tokens equal to the parent's
+    fork_at: int | None = None  # the tokens the branch took from its parent (None: encoded afresh)
+    fork_messages: int = 0  # the record messages it took with them
+
+    @property
+    def calls(self) -> int:
+        """Calls answered on this branch."""
+        return len(self.checkpoints)
+
+    @property
+    def open(self) -> bool:
+        """Whether a continuation appends: the last reply ended on the template's end of turn."""
+        return bool(self.checkpoints) and self.checkpoints[-1].open
+
+    def extends(self, messages: list[dict[str, Any]], tools_key: str) -> bool:
+        """Whether ``messages`` continue this branch: its last request, the reply, then more."""
+        n = len(self.seen)
+        return (
+            self.open and tools_key == self.tools_key and len(messages) > n and same(messages[:n], self.seen)
+        )
+
+    @property
+    def sequence(self) -> list[int]:
+        """Every token of the branch: what the engine conditioned on, plus the last reply."""
+        return self.episode.record.sequence
+
+    def trajectory(self, session: str) -> Trajectory:
+        """The branch as a turnrl trajectory (its forest links in ``info``)."""
+        traj = self.episode.trajectory()
+        traj.info |= {
+            "session": session,
+            "branch": self.index,
+            "parent": self.parent,
+            "reason": str(self.reason),
+        }
+        traj.info |= {"shared_tokens": self.shared_tokens, "fork_at": self.fork_at}
+        return traj
+
+
+@dataclass
+class Plan:
+    """Where a call goes: a branch (extended, or new and not yet in the session), and the tokens to
+    append before generating (the new messages' deltas, mask 0; none for a repeated request)."""
+
+    branch: Branch
+    added: Encoded
+    messages: list[dict[str, Any]]  # the call's messages, as the client sent them
+    new: bool
+
+    @property
+    def prompt(self) -> list[int]:
+        """What the engine conditions on."""
+        return self.branch.sequence + self.added.ids
+
+
+@dataclass
+class Reply:
+    """The model's reply to one call, parsed for the API."""
+
+    text: str  # the sampled text (the content the rollout records)
+    parsed: ParseResult
+    call_ids: list[str]
+    finish_reason: str  # stop, length or tool_calls
+    message: dict[str, Any]  # the reply as an OpenAI chat message
+
+
+def tools_key(tools: list[dict[str, Any]] | None) -> str:
+    """Tools as canonical JSON (key order and spacing do not matter)."""
+    return json.dumps(tools or [], sort_keys=True)
+
+
+def copy_record(record: ResponseRecord, prompt_len: int, end: int, messages: int) -> ResponseRecord:
+    """The first ``end`` tokens of ``record`` (prompt included) as a record of their own, with the
+    turns that end by then and the first ``messages`` messages."""
+    cut = end - prompt_len
+    turns = [t for t in record.turns if t.end <= cut]
+    return ResponseRecord(
+        sequence=record.sequence[:end],
+        response_ids=record.response_ids[:cut],
+        loss_mask=record.loss_mask[:cut],
+        rollout_logprobs=record.rollout_logprobs[:cut],
+        policy_versions=record.policy_versions[:cut],
+        turns=list(turns),
+        messages=list(record.messages[:messages]),
+        num_model_turns=sum(1 for t in turns if t.role == "assistant"),
+        reported=len(turns),
+    )
+
+
+def forked_episode(source: Episode, index: int, point: Checkpoint, after_reply: bool) -> Episode:
+    """A new branch's episode: ``source``'s tokens up to ``point``'s request (or its reply)."""
+    end, kept = (
+        (point.reply_end, point.reply_record_messages)
+        if after_reply
+        else (point.prompt_end, point.prompt_record_messages)
+    )
+    episode = Episode(source.sample, index)
+    episode.prompt_ids = source.prompt_ids
+    episode.record = copy_record(source.record, len(source.prompt_ids), end, kept)
+    return episode
+
+
+class Session:
+    """One agent's calls: a forest of branches."""
+
+    def __init__(self, name: str, encoder: ChatEncoder, parser: ToolParser | None) -> None:
+        self.name = name
+        self.encoder = encoder
+        self.parser = parser
+        self.branches: list[Branch] = []
+
+    def plan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Plan:
+        """The branch a call extends (newest first), else a new one forked at the longest exact prefix."""
+        key_of_tools = tools_key(tools)
+        for branch in reversed(self.branches):
+            if branch.extends(messages, key_of_tools):
+                added = self._delta(branch.conv, messages, len(branch.seen), branch.episode.last_token_text)
+                return Plan(branch, added, messages, new=False)
+        fork = self._fork(messages, key_of_tools)
+        parent, reason = self._origin(messages, key_of_tools, fork[0] if fork else None)
+        index = len(self.branches)
+        if fork is None:
+            conv = self.encoder.conversation(tools or None)
+            template = [template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+            prompt = conv.prompt(template)
+            branch = Branch(index, Episode(Sample(self.name, template), index), conv, key_of_tools)
+            branch.parent, branch.reason = parent, reason
+            branch.episode.prompt_ids = prompt.ids
+            branch.episode.record.start(prompt)
+            if parent is not None:
+                branch.shared_tokens = _common_prefix(prompt.ids, self.branches[parent].sequence)
+            return Plan(branch, Encoded([], []), messages, new=True)
+        source, point, after_reply = fork
+        branch = Branch(
+            index, forked_episode(source.episode, index, point, after_reply), source.conv, key_of_tools
+        )
+        branch.parent, branch.reason = parent, reason
+        branch.shared_tokens = branch.fork_at = len(branch.sequence)
+        branch.fork_messages = len(branch.episode.record.messages)
+        if not after_reply:  # the same request again: nothing to add
+            return Plan(branch, Encoded([], []), messages, new=True)
+        added = self._delta(branch.conv, messages, point.request_messages + 1, point.last_token_text)
+        return Plan(branch, added, messages, new=True)
+
+    def _delta(
+        self, conv: ConversationEncoder, messages: list[dict[str, Any]], start: int, last: str | None
+    ) -> Encoded:
+        """The delta tokens of ``messages[start:]`` after a reply whose last token was ``last``."""
+        new = [template_message(m, f"messages[{i}]") for i, m in enumerate(messages) if i >= start]
+        return conv.observation(new, last)
+
+    def _fork(
+        self, messages: list[dict[str, Any]], key_of_tools: str
+    ) -> tuple[Branch, Checkpoint, bool] | None:
+        """The longest token-exact prefix of ``messages`` any branch holds: an earlier request sent
+        again (False), or an earlier request and its reply followed by more messages (True)."""
+        best: tuple[int, Branch, Checkpoint, bool] | None = None
+        for branch in self.branches:
+            if branch.tools_key != key_of_tools:
+                continue
+            shared = first_difference(messages, branch.seen)
+            for point in branch.checkpoints:
+                n = point.request_messages
+                if len(messages) == n and shared >= n:
+                    found = (point.prompt_end, branch, point, False)
+                elif point.open and shared >= n + 1 and len(messages) > n + 1:
+                    found = (point.reply_end, branch, point, True)
+                else:
+                    continue
+                if best is None or found[0] > best[0]:
+                    best = found
+        return None if best is None else best[1:]
+
+    def _origin(
+        self, messages: list[dict[str, Any]], key_of_tools: str, source: Branch | None
+    ) -> tuple[int | None, Reason]:
+        """The branch a new one comes from (the one it forks from, else the one whose messages it
+        shares most) and why it is new."""
+        if not self.branches:
+            return None, Reason.FIRST
+        parent = source or max(self.branches, key=lambda b: (first_difference(messages, b.seen), b.index))
+        seen, n = parent.seen, first_difference(messages, parent.seen)
+        if key_of_tools != parent.tools_key or (messages and seen and key(messages[0]) != key(seen[0])):
+            return parent.index, Reason.SUBAGENT
+        if n == len(seen) and len(messages) > n:
+            return parent.index, Reason.CUT_REPLY
+        if n == len(messages):
+            retry = any(p.request_messages == n for p in parent.checkpoints)
+            return parent.index, Reason.RETRY if retry else Reason.TRUNCATION
+        # a summary replaces the conversation's start, or a run of turns with a message of another kind
+        start = next((i for i, m in enumerate(seen) if m.get("role") not in ("system", "developer")), 0)
+        replaced = len(seen) - len(messages) >= 2 and messages[n].get("role") != seen[n].get("role")
+        return parent.index, Reason.COMPACTION if n <= start or replaced else Reason.EDIT
+
+    def commit(self, plan: Plan, gen: Generation, seconds: float, versions: list[int]) -> Reply:
+        """Append the planned tokens and the sampled reply to the branch (a new one joins the session)."""
+        branch = plan.branch
+        record = branch.episode.record
+        if plan.new:
+            self.branches.append(branch)
+        if plan.added.ids or plan.added.messages:
+            record.add_env(plan.added, branch.conv.template.decode(plan.added.ids), 0.0, 0)
+        prompt_end, prompt_messages = len(record.sequence), len(record.messages)
+        text, last = branch.conv.assistant_text(gen.token_ids)
+        branch.episode.last_token_text = last
+        reply = self._reply(text, gen, branch)
+        record.add_model(gen, text, seconds, versions)
+        record.messages.append(sampled_message(text, reply.parsed.calls, reply.call_ids))
+        branch.episode.timings["time/generate"] += seconds
+        branch.episode.stop = StopReason.LENGTH if gen.finish_reason == "length" else StopReason.ENV_DONE
+        branch.seen = [*plan.messages, reply.message]
+        branch.checkpoints.append(
+            Checkpoint(
+                len(plan.messages),
+                prompt_end,
+                prompt_messages,
+                len(record.sequence),
+                len(record.messages),
+                gen.finish_reason == "stop",
+                last,
+            )
+        )
+        return reply
+
+    def _reply(self, text: str, gen: Generation, branch: Branch) -> Reply:
+        if self.parser is not None:
+            parsed = self.parser.parse(text)
+        else:
+            visible, reasoning = split_reasoning(text)
+            parsed = ParseResult(content=visible.strip(), reasoning=reasoning)
+        ids = [f"call_{branch.index}_{branch.calls}_{k}" for k in range(len(parsed.calls))]
+        finish = "tool_calls" if parsed.calls and gen.finish_reason == "stop" else str(gen.finish_reason)
+        message = reply_message(parsed.content, parsed.reasoning.strip(), parsed.calls, ids)
+        return Reply(text, parsed, ids, finish, message)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

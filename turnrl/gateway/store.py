@@ -1,0 +1,127 @@
+"""``calls.jsonl``: every completed call of every session, appended (and synced) as it completes,
+so a gateway killed at any moment leaves its sessions valid up to their last complete call.
+
+One record per call holds only what the call added to its branch (a new branch: its prompt, or the
+point of its parent it forked at; then the new messages' delta tokens, and the reply's tokens,
+logprobs and weight versions), so writing costs the same at turn 100 as at turn 1.
+``read_branches`` rebuilds every branch as a turnrl ``Trajectory``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from turnrl.chat.encoder import Encoded
+from turnrl.gateway.session import Plan, Reply, copy_record
+from turnrl.rollout.collector import JsonlWriter
+from turnrl.rollout.episode import Episode
+from turnrl.types import Generation, Sample, StopReason, Trajectory
+
+CALLS = "calls.jsonl"
+
+
+def call_record(
+    session: str, plan: Plan, gen: Generation, reply: Reply, versions: list[int]
+) -> dict[str, Any]:
+    """What one call added to its branch (written once the call is committed)."""
+    branch = plan.branch
+    record: dict[str, Any] = {"session": session, "branch": branch.index, "call": branch.calls - 1}
+    if plan.new:
+        record |= {
+            "parent": branch.parent,
+            "reason": str(branch.reason),
+            "shared_tokens": branch.shared_tokens,
+        }
+        if branch.fork_at is None:
+            record["prompt"] = {
+                "ids": branch.episode.prompt_ids,
+                "messages": _plain(branch.episode.sample.prompt),
+            }
+        else:
+            record["fork"] = {"at": branch.fork_at, "messages": branch.fork_messages}
+    return record | {
+        "added_ids": plan.added.ids,
+        "added_messages": _plain(plan.added.messages),
+        "ids": gen.token_ids,
+        "logprobs": gen.logprobs,
+        "versions": versions,
+        "finish_reason": gen.finish_reason,
+        "text": reply.text,
+        "reply": reply.message,
+        "sampled_message": branch.episode.record.messages[-1],
+    }
+
+
+def _plain(messages: Any) -> Any:
+    return json.loads(json.dumps(messages, default=str))
+
+
+class CallLog:
+    """The append-only ``calls.jsonl`` of a gateway run."""
+
+    def __init__(self, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / CALLS
+        self._writer = JsonlWriter(self.path, fsync=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one call (a full line, synced, or nothing)."""
+        self._writer.write_record(record)
+
+    def close(self) -> None:
+        """Close the file."""
+        self._writer.close()
+
+
+def read_calls(path: Path) -> Iterator[dict[str, Any]]:
+    """The intact call records of ``path`` in order (a torn last line, from a kill, is left out)."""
+    with path.open() as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+
+def read_branches(path: Path) -> list[Trajectory]:
+    """Every branch of every session in ``path`` as a trajectory, in the order branches started."""
+    episodes: dict[tuple[str, int], Episode] = {}
+    links: dict[tuple[str, int], dict[str, Any]] = {}
+    for call in read_calls(path):
+        where = (call["session"], call["branch"])
+        if where not in episodes:
+            episodes[where] = _start(call, episodes)
+            links[where] = {k: call.get(k) for k in ("parent", "reason", "shared_tokens")}
+            links[where]["fork_at"] = (call.get("fork") or {}).get("at")
+        episode = episodes[where]
+        if call["added_ids"] or call["added_messages"]:
+            episode.record.add_env(Encoded(call["added_ids"], call["added_messages"]), "", 0.0, 0)
+        gen = Generation(call["ids"], call["logprobs"], call["finish_reason"], None, call["versions"])
+        episode.record.add_model(gen, call["text"], 0.0, call["versions"])
+        episode.record.messages.append(call["sampled_message"])
+        episode.stop = StopReason.LENGTH if call["finish_reason"] == "length" else StopReason.ENV_DONE
+    out = []
+    for (session, index), episode in episodes.items():
+        traj = episode.trajectory()
+        traj.info |= {"session": session, "branch": index, **links[(session, index)]}
+        out.append(traj)
+    return out
+
+
+def _start(call: dict[str, Any], episodes: dict[tuple[str, int], Episode]) -> Episode:
+    """A branch's episode at its first call: its prompt, or its parent's tokens up to the fork."""
+    if "prompt" in call:
+        prompt = call["prompt"]
+        episode = Episode(Sample(call["session"], prompt["messages"]), call["branch"])
+        episode.prompt_ids = prompt["ids"]
+        episode.record.start(Encoded(prompt["ids"], prompt["messages"]))
+        return episode
+    parent = episodes[(call["session"], call["parent"])]
+    fork = call["fork"]
+    episode = Episode(parent.sample, call["branch"])
+    episode.prompt_ids = parent.prompt_ids
+    episode.record = copy_record(parent.record, len(parent.prompt_ids), fork["at"], fork["messages"])
+    return episode
