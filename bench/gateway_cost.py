@@ -29,8 +29,9 @@ import uvicorn
 from transformers import AutoTokenizer
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.gateway import GatewayConfig
-from turnrl.gateway.server import Gateway, make_app
+from turnrl.gateway import GatewayConfig, openai_chat
+from turnrl.gateway.routes import make_app
+from turnrl.gateway.server import Gateway
 from turnrl.gateway.store import CallLog
 from turnrl.models import qwen3_tokenizer_dir
 from turnrl.tools.parsers import get_parser
@@ -102,9 +103,9 @@ def in_process(tokenizer: Any, turns: int, out: Path) -> list[float]:
         for _ in range(turns):
             body = json.loads(json.dumps({"model": "qwen3", "messages": messages, "tools": TOOLS}))
             before, t0 = engine.inside, time.perf_counter()
-            done, _ = await gateway.chat("bench", body)
+            done = await gateway.answer("bench", openai_chat.read_request(body))
             costs.append(time.perf_counter() - t0 - (engine.inside - before))
-            messages = next_messages(messages, done.response()["choices"][0]["message"])
+            messages = next_messages(messages, openai_chat.response(done)["choices"][0]["message"])
         return costs
 
     try:

@@ -20,7 +20,8 @@ from turnrl.app.run import SERVERS
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import load_model_config
 from turnrl.gateway.config import GatewayConfig
-from turnrl.gateway.server import Gateway, make_app
+from turnrl.gateway.routes import make_app
+from turnrl.gateway.server import Gateway
 from turnrl.gateway.store import CallLog
 from turnrl.models import load_vision_processor
 from turnrl.support.run_folder import release

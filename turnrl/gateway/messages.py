@@ -92,6 +92,20 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
     }
 
 
+def check_call_ids(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse a tool result that answers a call no earlier assistant message made (by its id)."""
+    made: set[str] = set()
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            continue
+        for call in message.get("tool_calls") or ():
+            if isinstance(call, Mapping) and call.get("id"):
+                made.add(str(call["id"]))
+        answered = message.get("tool_call_id") if message.get("role") == "tool" else None
+        if answered and str(answered) not in made:
+            raise BadMessage(f"messages[{i}] answers tool call {answered!r}, which no earlier message made")
+
+
 def key(message: Mapping[str, Any]) -> tuple[Any, ...]:
     """What a message means, for comparison: its role, its text without surrounding whitespace,
     its images, and its calls (names and decoded arguments). Ids and reasoning are left out."""

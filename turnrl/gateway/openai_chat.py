@@ -1,4 +1,4 @@
-"""OpenAI Chat Completions: a request read into what the gateway needs, a reply written as the API's
+"""OpenAI Chat Completions: a request read into a ``ChatRequest``, an answer written as the API's
 response or its stream of chunks, and errors in the API's own schema."""
 
 from __future__ import annotations
@@ -7,10 +7,9 @@ import json
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from turnrl.gateway.session import Reply
+from turnrl.gateway.call import ApiError, ChatRequest, Completed
 
 KNOWN = {
     "model", "messages", "tools", "tool_choice", "parallel_tool_calls", "n", "stop", "max_tokens",
@@ -18,63 +17,47 @@ KNOWN = {
     "seed", "user", "metadata", "store", "reasoning_effort", "frequency_penalty", "presence_penalty",
 }  # fmt: skip
 """Fields a request may carry; sampling fields are read but the config's sampling wins."""
+MAX_N = 16
 
 
-class ApiError(Exception):
-    """An error the client gets in the API's schema, with its HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.code, self.param = status, kind, code, param
-
-    def body(self) -> dict[str, Any]:
-        """The error as the API writes it."""
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+def error_body(error: ApiError) -> dict[str, Any]:
+    """An error as the OpenAI API writes it."""
+    return {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": error.code}}
 
 
-@dataclass
-class ChatRequest:
-    """What the gateway reads from a chat completions request."""
+def unsupported(body: Mapping[str, Any], known: set[str]) -> None:
+    """Refuse the first field the gateway does not know (400, naming it)."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(
+            400, f"unsupported parameter: {unknown[0]!r}", param=unknown[0], code="unsupported_parameter"
+        )
 
-    model: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    max_tokens: int | None
-    stop: list[str]
-    logprobs: bool
-    stream: bool
-    include_usage: bool
+
+def positive(value: Any, name: str) -> int | None:
+    """An optional positive integer field."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ApiError(400, f"{name} must be a positive integer", param=name)
+    return value
 
 
 def read_request(body: Any) -> ChatRequest:
     """Validate a request body; ``ApiError`` (400) names the first problem."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - KNOWN)
-    if unknown:
-        raise ApiError(
-            400, f"unsupported parameter: {unknown[0]!r}", param=unknown[0], code="unsupported_parameter"
-        )
+    unsupported(body, KNOWN)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    if body.get("n") not in (None, 1):
-        raise ApiError(400, "only n=1 is supported: send one request per sample", param="n")
+    n = positive(body.get("n"), "n") or 1
+    if n > MAX_N:
+        raise ApiError(400, f"n is {n}; at most {MAX_N} samples per request", param="n")
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(_is_function(t) for t in tools)):
         raise ApiError(
             400, "'tools' must be a list of {type: function, function: {name, ...}}", param="tools"
         )
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ApiError(400, "max_tokens must be a positive integer", param="max_tokens")
+    limit = positive(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else list(stop)
     options = body.get("stream_options") or {}
@@ -87,6 +70,7 @@ def read_request(body: Any) -> ChatRequest:
         logprobs=bool(body.get("logprobs")),
         stream=bool(body.get("stream")),
         include_usage=bool(isinstance(options, Mapping) and options.get("include_usage")),
+        n=n,
     )
 
 
@@ -99,72 +83,62 @@ def _is_function(tool: Any) -> bool:
     )
 
 
-@dataclass
-class Completed:
-    """One answered call: the reply and what the response reports with it."""
+def usage(done: Completed) -> dict[str, Any]:
+    """The call's true token counts."""
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
 
-    reply: Reply
-    model: str
-    prompt_tokens: int
-    token_texts: list[str]  # one per sampled token (for logprobs)
-    logprobs: list[float]
-    want_logprobs: bool
 
-    @property
-    def usage(self) -> dict[str, int]:
-        """The call's true token counts."""
-        done = len(self.logprobs)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": done,
-            "total_tokens": self.prompt_tokens + done,
-        }
+def _logprobs(done: Completed, k: int) -> dict[str, Any] | None:
+    if not done.want_logprobs:
+        return None
+    content = [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+        for t, lp in zip(done.token_texts[k], done.logprobs[k], strict=True)
+    ]
+    return {"content": content}
 
-    def _logprobs(self) -> dict[str, Any] | None:
-        if not self.want_logprobs:
-            return None
-        content = [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(self.token_texts, self.logprobs, strict=True)
-        ]
-        return {"content": content}
 
-    def response(self) -> dict[str, Any]:
-        """The whole chat completion."""
-        choice = {
-            "index": 0,
-            "message": self.reply.message,
-            "finish_reason": self.reply.finish_reason,
-            "logprobs": self._logprobs(),
-        }
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage,
-        }
+def response(done: Completed) -> dict[str, Any]:
+    """The whole chat completion."""
+    choices = [
+        {"index": k, "message": r.message, "finish_reason": r.finish_reason, "logprobs": _logprobs(done, k)}
+        for k, r in enumerate(done.replies)
+    ]
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": done.model,
+        "choices": choices,
+        "usage": usage(done),
+    }
 
-    def chunks(self, include_usage: bool) -> Iterator[str]:
-        """The reply as server-sent events: the role, the reasoning, the content, each call, the
-        finish reason, the usage when asked, then ``[DONE]``."""
-        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": self.model}  # fmt: skip
 
-        def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return f"data: {json.dumps(base | {'choices': [choice]} | extra)}\n\n"
+def chunks(done: Completed, include_usage: bool) -> Iterator[str]:
+    """The answer as server-sent events: per choice the role, the reasoning, the content, each call
+    and the finish reason; the usage when asked; then ``[DONE]``."""
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": done.model}  # fmt: skip
 
-        message = self.reply.message
-        yield event({"role": "assistant", "content": ""})
+    def event(k: int, delta: dict[str, Any], finish: str | None = None) -> str:
+        choice = {"index": k, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return f"data: {json.dumps(base | {'choices': [choice]})}\n\n"
+
+    for k, reply in enumerate(done.replies):
+        message = reply.message
+        yield event(k, {"role": "assistant", "content": ""})
         if message.get("reasoning_content"):
-            yield event({"reasoning_content": message["reasoning_content"]})
+            yield event(k, {"reasoning_content": message["reasoning_content"]})
         if message.get("content"):
-            yield event({"content": message["content"]})
+            yield event(k, {"content": message["content"]})
         for i, call in enumerate(message.get("tool_calls") or ()):
-            yield event({"tool_calls": [{"index": i, **call}]})
-        yield event({}, self.reply.finish_reason)
-        if include_usage:
-            yield f"data: {json.dumps(base | {'choices': [], 'usage': self.usage})}\n\n"
-        yield "data: [DONE]\n\n"
+            yield event(k, {"tool_calls": [{"index": i, **call}]})
+        yield event(k, {}, reply.finish_reason)
+    if include_usage:
+        yield f"data: {json.dumps(base | {'choices': [], 'usage': usage(done)})}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,38 +1,38 @@
-"""The gateway: an OpenAI-compatible HTTP server in front of any turnrl engine that records every
-session token-exactly (``session``, ``store``).
+"""The gateway's core: sessions over one engine. Each call is planned on its session's branches,
+generated, recorded and answered (``session``, ``store``); ``routes`` serves it over HTTP.
 
-A session is named by the URL (``/s/{session}/v1/...``) or by the API key (``Authorization:
-Bearer KEY``), so an agent needs only ``base_url`` and ``api_key``. The calls of one session run
-one at a time (a session is one agent's conversation); sessions run concurrently on the engine.
-FastAPI routes and validates, uvicorn serves: the standard ASGI pair, both already in the field's
-stacks (vLLM, SGLang). The server never dies from a request: every failure is answered in the API's
-error schema.
+The calls of one session run one at a time (a session is one agent's conversation); sessions run
+concurrently on the engine. A call cancelled before its reply (the client went away) is aborted on
+the engine and leaves its session as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-
 from turnrl.chat.encoder import ChatEncoder, NoVisionError
+from turnrl.gateway.call import ApiError, ChatRequest, Completed
 from turnrl.gateway.config import GatewayConfig
-from turnrl.gateway.messages import BadMessage
-from turnrl.gateway.openai_chat import ApiError, ChatRequest, Completed, read_request
-from turnrl.gateway.session import Plan, Session
+from turnrl.gateway.messages import BadMessage, check_call_ids
+from turnrl.gateway.session import Plan, Reason, Reply, Session
 from turnrl.gateway.store import CallLog, call_record
 from turnrl.rollout.generation import request_seed
 from turnrl.tools.parser_base import ToolParser
-from turnrl.types import CURRENT_TURN, Engine, Sample, SamplingParams, TurnContext, weight_version
+from turnrl.types import (
+    CURRENT_TURN,
+    Engine,
+    Generation,
+    Sample,
+    SamplingParams,
+    TurnContext,
+    weight_version,
+)
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
-DEFAULT_SESSION = "default"
+KEEP_RESPONSES = 10_000  # Responses API ids a later request may continue (previous_response_id)
 
 
 class Gateway:
@@ -50,8 +50,9 @@ class Gateway:
         self.model = config.served_name or config.model
         self.sessions: dict[str, Session] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self.counts: Counter[str] = Counter()  # calls, errors, tokens, branches by reason
+        self.counts: Counter[str] = Counter()  # calls, errors, aborted, tokens, branches by reason
         self.seconds = 0.0  # time spent answering calls
+        self.responses: OrderedDict[str, tuple[str, list[dict[str, Any]]]] = OrderedDict()
 
     def session(self, name: str) -> Session:
         """The session ``name`` (made on its first call)."""
@@ -59,47 +60,88 @@ class Gateway:
             self.sessions[name] = Session(name, self.encoder, self.parser)
         return self.sessions[name]
 
-    async def chat(self, name: str, body: Any) -> tuple[Completed, ChatRequest]:
-        """Answer one chat completions request of session ``name``."""
-        request = read_request(body)
-        if request.model and request.model != self.model:
+    def check_model(self, model: str) -> None:
+        """Refuse a model this gateway does not serve (404)."""
+        if model and model != self.model:
             served = f"this gateway serves {self.model!r}"
-            message = f"the model {request.model!r} does not exist; {served}"
+            message = f"the model {model!r} does not exist; {served}"
             raise ApiError(404, message, code="model_not_found", param="model")
+
+    async def answer(self, name: str, request: ChatRequest) -> Completed:
+        """Answer one call of session ``name``: ``request.n`` replies to its messages (the first on
+        the branch the call extends, each other one a branch of its own that says ``sample``)."""
+        self.check_model(request.model)
         async with self._locks[name]:
             t0 = time.perf_counter()
             session = self.session(name)
             plan = self._plan(session, request)
             prompt = plan.prompt
+            cached = 0 if plan.new and plan.branch.fork_at is None else len(plan.branch.sequence)
             sampling = self._sampling(session, plan, request, len(prompt))
             images = (
                 plan.added.images if plan.new else [*plan.branch.episode.record.images, *plan.added.images]
             )
             record = plan.branch.episode.record
-            turn = TurnContext(
-                Sample(name, []), plan.branch.index, [*record.messages, *plan.added.messages], images
-            )
+            sample = Sample(name, [])
+            turn = TurnContext(sample, plan.branch.index, [*record.messages, *plan.added.messages], images)
             CURRENT_TURN.set(turn)  # what a scripted policy (or a judge) reads of the conversation
             g0 = time.perf_counter()
-            try:
-                gen = await self.engine.generate(
-                    prompt, sampling, images, session=f"{name}/{plan.branch.index}"
-                )
-            except Exception as exc:
-                raise ApiError(
-                    503, f"the engine failed: {type(exc).__name__}: {exc}", "server_error"
-                ) from None
+            gens = await self._generate(name, plan, prompt, sampling, images, request.n)
             seconds = time.perf_counter() - g0
-            versions = list(gen.versions or [weight_version(self.engine)] * len(gen.token_ids))
-            reply = session.commit(plan, gen, seconds, versions)
-            if self.log is not None:
-                self.log.write(call_record(name, plan, gen, reply, versions))
-            self._count(plan, len(prompt), len(gen.token_ids), time.perf_counter() - t0)
-        texts = [self.encoder.template.decode([t]) for t in gen.token_ids] if request.logprobs else []
-        return Completed(reply, self.model, len(prompt), texts, gen.logprobs, request.logprobs), request
+            replies = [self._commit(session, plan, gens[0], seconds)]
+            for gen in gens[1:]:
+                other = session.plan(request.messages, request.tools)  # the same request: a fork before it
+                other.branch.reason = Reason.SAMPLE
+                replies.append(self._commit(session, other, gen, seconds))
+            self._count(plan, len(prompt), sum(len(g.token_ids) for g in gens), time.perf_counter() - t0)
+            self.counts["branch:sample"] += len(gens) - 1
+        decode = self.encoder.template.decode
+        texts = [[decode([t]) for t in g.token_ids] if request.logprobs else [] for g in gens]
+        logprobs = [g.logprobs for g in gens]
+        return Completed(replies, self.model, len(prompt), texts, logprobs, request.logprobs, cached)
+
+    async def _generate(
+        self,
+        name: str,
+        plan: Plan,
+        prompt: list[int],
+        sampling: SamplingParams,
+        images: list[Any],
+        n: int,
+    ) -> list[Generation]:
+        """``n`` generations of ``prompt`` (seeds apart), concurrently on the engine."""
+        where = f"{name}/{plan.branch.index}"
+
+        def seeded(k: int) -> SamplingParams:
+            if k == 0 or sampling.seed is None:
+                return sampling
+            seed = request_seed(
+                self.config.seed, Sample(f"{name}#{k}", []), plan.branch.index, plan.branch.calls
+            )
+            return dataclasses.replace(sampling, seed=seed)
+
+        try:
+            return list(
+                await asyncio.gather(
+                    *(self.engine.generate(prompt, seeded(k), images, session=where) for k in range(n))
+                )
+            )
+        except asyncio.CancelledError:
+            self.counts["aborted"] += 1
+            raise
+        except Exception as exc:
+            raise ApiError(503, f"the engine failed: {type(exc).__name__}: {exc}", "server_error") from None
+
+    def _commit(self, session: Session, plan: Plan, gen: Generation, seconds: float) -> Reply:
+        versions = list(gen.versions or [weight_version(self.engine)] * len(gen.token_ids))
+        reply = session.commit(plan, gen, seconds, versions)
+        if self.log is not None:
+            self.log.write(call_record(session.name, plan, gen, reply, versions))
+        return reply
 
     def _plan(self, session: Session, request: ChatRequest) -> Plan:
         try:
+            check_call_ids(request.messages)
             return session.plan(request.messages, request.tools)
         except BadMessage as exc:
             raise ApiError(400, str(exc), param="messages") from None
@@ -132,6 +174,24 @@ class Gateway:
         seed = request_seed(self.config.seed, Sample(session.name, []), plan.branch.index, plan.branch.calls)
         return dataclasses.replace(forced, max_tokens=max_tokens, seed=seed, stop_token_ids=tuple(stops))
 
+    def count_tokens(self, request: ChatRequest) -> int:
+        """The tokens ``request``'s messages take as a fresh prompt (Anthropic's count_tokens)."""
+        session = Session("count", self.encoder, self.parser)
+        return len(self._plan(session, request).prompt)
+
+    def remember(self, response_id: str, session: str, messages: list[dict[str, Any]]) -> None:
+        """Keep a Responses API answer's conversation (request and reply) for ``previous_response_id``."""
+        self.responses[response_id] = (session, messages)
+        while len(self.responses) > KEEP_RESPONSES:
+            self.responses.popitem(last=False)
+
+    def history(self, response_id: str) -> tuple[str, list[dict[str, Any]]]:
+        """The session and conversation of an earlier response (404 when unknown)."""
+        if response_id not in self.responses:
+            message = f"previous_response_id {response_id!r} is not a response of this gateway"
+            raise ApiError(404, message, param="previous_response_id")
+        return self.responses[response_id]
+
     def _count(self, plan: Plan, prompt_tokens: int, completion_tokens: int, seconds: float) -> None:
         self.counts["calls"] += 1
         self.counts["prompt_tokens"] += prompt_tokens
@@ -141,68 +201,18 @@ class Gateway:
         self.seconds += seconds
 
     def metrics(self) -> str:
-        """Prometheus text: sessions, branches by reason, calls, tokens, errors, time answering."""
+        """Prometheus text: sessions, branches by reason, calls, tokens, errors, aborted calls, time."""
         lines = [
             f"turnrl_gateway_sessions {len(self.sessions)}",
             f"turnrl_gateway_calls_total {self.counts['calls']}",
             f"turnrl_gateway_errors_total {self.counts['errors']}",
+            f"turnrl_gateway_aborted_total {self.counts['aborted']}",
             f'turnrl_gateway_tokens_total{{kind="prompt"}} {self.counts["prompt_tokens"]}',
             f'turnrl_gateway_tokens_total{{kind="completion"}} {self.counts["completion_tokens"]}',
             f"turnrl_gateway_call_seconds_sum {self.seconds:.6f}",
             f"turnrl_gateway_call_seconds_count {self.counts['calls']}",
         ]
         for name, n in sorted(self.counts.items()):
-            if name.startswith("branch:"):
+            if name.startswith("branch:") and n:
                 lines.append(f'turnrl_gateway_branches_total{{reason="{name[7:]}"}} {n}')
         return "\n".join(lines) + "\n"
-
-
-def make_app(gateway: Gateway) -> FastAPI:
-    """The FastAPI application serving ``gateway``."""
-    app = FastAPI(title="turnrl gateway", docs_url=None, redoc_url=None, openapi_url=None)
-
-    def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": gateway.model, "object": "model", "owned_by": "turnrl"}]}
-
-    async def chat(request: Request, session: str | None = None) -> Any:
-        try:
-            body = await _body(request)
-            name = session or _key(request) or DEFAULT_SESSION
-            done, asked = await gateway.chat(name, body)
-        except ApiError as exc:
-            gateway.counts["errors"] += 1
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except Exception as exc:  # a bug answers 500; the server goes on
-            gateway.counts["errors"] += 1
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-            return JSONResponse(error.body(), status_code=500)
-        if asked.stream:
-            return StreamingResponse(done.chunks(asked.include_usage), media_type="text/event-stream")
-        return JSONResponse(done.response())
-
-    app.get("/v1/models")(models)
-    app.get("/s/{session}/v1/models")(models)
-    app.post("/v1/chat/completions")(chat)
-    app.post("/s/{session}/v1/chat/completions")(chat)
-    app.get("/metrics")(lambda: PlainTextResponse(gateway.metrics()))
-    return app
-
-
-async def _body(request: Request) -> Any:
-    size = int(request.headers.get("content-length") or 0)
-    if size > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is {size} bytes; the limit is {MAX_BODY_BYTES}")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-
-
-def _key(request: Request) -> str | None:
-    """The API key of a request (``Authorization: Bearer KEY`` or ``x-api-key``), which names its session."""
-    auth = request.headers.get("authorization") or ""
-    key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
-    return key or None

@@ -44,6 +44,7 @@ class Reason(StrEnum):
     EDIT = "edit"  # a message the model saw was edited
     SUBAGENT = "subagent"  # a different system prompt or other tools: another agent's conversation
     CUT_REPLY = "cut_reply"  # the last reply was cut at max_tokens, so nothing can follow it exactly
+    SAMPLE = "sample"  # another of the n replies one request asked for (same prompt, its own sample)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,97 @@
+"""What the gateway's tests share: a recording engine, a gateway on a loopback port, the lookup
+agent's tools and replies, and the exactness check."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.gateway import GatewayConfig
+from turnrl.gateway.routes import make_app
+from turnrl.gateway.server import Gateway
+from turnrl.gateway.store import CallLog
+from turnrl.tools.parsers import get_parser
+from turnrl.types import Generation, SamplingParams, Trajectory
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "The value stored under a key.",
+            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+        },
+    }
+]
+CALL = (
+    "<think>\nI should look it up.\n</think>\n\n"
+    '<tool_call>\n{"name": "lookup", "arguments": {"key": "alpha"}}\n</tool_call>'
+)
+ANSWER = "<think>\nThe tool said 42.\n</think>\n\nThe value of alpha is 42."
+START = [
+    {"role": "system", "content": "You look things up with your tools."},
+    {"role": "user", "content": "What is alpha?"},
+]
+
+
+class Recorder:
+    """An engine that remembers what it was given and what it sampled (the exactness reference)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.seen: list[tuple[list[int], list[int]]] = []
+
+    async def generate(
+        self, prompt_ids: Any, sampling: SamplingParams, images: Any = (), *, session: Any = None
+    ) -> Generation:
+        gen = await self.engine.generate(prompt_ids, sampling, images, session=session)
+        self.seen.append((list(prompt_ids), list(gen.token_ids)))
+        return gen
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+@contextlib.contextmanager
+def serving(gateway: Gateway) -> Iterator[str]:
+    """The gateway on a free loopback port, in a thread; its base URL."""
+    server = uvicorn.Server(uvicorn.Config(make_app(gateway), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the gateway did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def gateway_for(engine: Any, tokenizer: Any, tmp_path: Path, **config: Any) -> Gateway:
+    cfg = GatewayConfig.model_validate({"model": "tiny-qwen3", "output_dir": str(tmp_path), **config})
+    return Gateway(Recorder(engine), ChatEncoder(tokenizer), get_parser("hermes"), cfg, CallLog(tmp_path))
+
+
+def assert_exact(traj: Trajectory, seen: list[tuple[list[int], list[int]]]) -> None:
+    """Every call the engine answered on this branch: its prompt is the branch's tokens up to there,
+    and what it sampled follows them exactly, with mask 1 (the rest mask 0)."""
+    ids = traj.input_ids
+    model = [i for i, m in enumerate(traj.loss_mask) if m]
+    covered: list[int] = []
+    for prompt, sampled in seen:
+        assert ids[: len(prompt)] == prompt
+        assert ids[len(prompt) : len(prompt) + len(sampled)] == sampled
+        covered += range(
+            len(prompt) - len(traj.prompt_ids), len(prompt) - len(traj.prompt_ids) + len(sampled)
+        )
+    assert covered == model

@@ -1,0 +1,211 @@
+"""OpenAI Responses (what Codex CLI and the OpenAI Agents SDK speak): ``input`` items read into
+OpenAI chat messages, an answer written as a response with output items or its event stream.
+
+``instructions`` becomes a system message; ``message`` items keep their role; ``function_call``
+items join the assistant message before them (or make one); ``function_call_output`` items become
+tool messages; a ``reasoning`` item becomes the next assistant message's ``reasoning_content``. The
+reply goes back as a ``reasoning`` item, a ``message`` item and ``function_call`` items.
+``previous_response_id`` continues a response this gateway gave (its messages and reply first).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from turnrl.gateway.call import ApiError, ChatRequest, Completed
+from turnrl.gateway.openai_chat import positive, unsupported
+
+KNOWN = {
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+    "stream", "stream_options", "reasoning", "store", "include", "temperature", "top_p", "metadata",
+    "previous_response_id", "truncation", "user", "text", "prompt_cache_key", "service_tier",
+    "safety_identifier", "top_logprobs",
+}  # fmt: skip
+
+
+def read_request(body: Any, history: list[dict[str, Any]] | None = None) -> ChatRequest:
+    """Validate a Responses request (``history``: the messages of its ``previous_response_id``)."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "the request body must be a JSON object")
+    unsupported(body, KNOWN)
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise ApiError(400, "'input' must be text or a non-empty list of items", param="input")
+    messages = list(history or [])
+    if body.get("instructions") and not history:
+        messages.append({"role": "system", "content": str(body["instructions"])})
+    messages += chat_messages(items)
+    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(body.get("tools") or ())]
+    return ChatRequest(
+        model=str(body.get("model", "")),
+        messages=messages,
+        tools=tools or None,
+        max_tokens=positive(body.get("max_output_tokens"), "max_output_tokens"),
+        stream=bool(body.get("stream")),
+    )
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if (
+        not isinstance(tool, Mapping)
+        or tool.get("type") != "function"
+        or not isinstance(tool.get("name"), str)
+    ):
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        message = f"{where} has type {kind!r}; this gateway serves function tools ({{type: function, name}})"
+        raise ApiError(400, message, param="tools")
+    function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def _content(content: Any, where: str) -> Any:
+    """A message item's content as OpenAI chat content (text, or parts with images)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content must be text or a list of parts", param="input")
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "refusal":
+            parts.append({"type": "text", "text": str(part.get("refusal", ""))})
+        elif kind == "input_image" and part.get("image_url"):
+            parts.append({"type": "image_url", "image_url": {"url": str(part["image_url"])}})
+        else:
+            raise ApiError(400, f"{where}.content[{i}] has type {kind!r}, not read here", param="input")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """``input`` items as OpenAI chat messages."""
+    out: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    calls_open = False  # the last message is an assistant turn that function calls may join
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, Mapping) else None
+        if kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
+            message: dict[str, Any] = {"role": item["role"], "content": _content(item.get("content"), where)}
+            if item["role"] == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = "".join(reasoning), []
+            out.append(message)
+            calls_open = item["role"] == "assistant"
+        elif kind == "reasoning":
+            texts = [p.get("text", "") for p in item.get("content") or () if isinstance(p, Mapping)]
+            reasoning += [str(t) for t in texts]
+        elif kind == "function_call":
+            if not calls_open:
+                out.append({"role": "assistant", "content": ""})
+                if reasoning:
+                    out[-1]["reasoning_content"], reasoning = "".join(reasoning), []
+                calls_open = True
+            function = {"name": str(item.get("name")), "arguments": str(item.get("arguments") or "{}")}
+            call = {"id": str(item.get("call_id") or ""), "type": "function", "function": function}
+            out[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            content = output if isinstance(output, str) else _content(output, where)
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""), "content": content})
+            calls_open = False
+        else:
+            role = item.get("role") if isinstance(item, Mapping) else None
+            raise ApiError(400, f"{where} has type {kind!r} (role {role!r}); not read here", param="input")
+    return out
+
+
+def output_items(done: Completed) -> list[dict[str, Any]]:
+    """The reply as output items: reasoning, the message, then each function call."""
+    message = done.reply.message
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        text = message["reasoning_content"]
+        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": text}]})  # fmt: skip
+    if message.get("content"):
+        part = {"type": "output_text", "text": message["content"], "annotations": [], "logprobs": []}
+        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
+                      "status": "completed", "content": [part]})  # fmt: skip
+    for call in message.get("tool_calls") or ():
+        function = call["function"]
+        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                      "name": function["name"], "arguments": function["arguments"],
+                      "status": "completed"})  # fmt: skip
+    return items
+
+
+def response(done: Completed, response_id: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The whole response."""
+    cut = done.reply.finish_reason == "length"
+    usage = {
+        "input_tokens": done.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": done.cached_tokens},
+        "output_tokens": done.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": done.model,
+        "status": "incomplete" if cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "output": output_items(done),
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [{"type": "function", **t["function"]} for t in tools or ()],
+        "usage": usage,
+    }
+
+
+def events(done: Completed, response_id: str, tools: list[dict[str, Any]] | None) -> Iterator[str]:
+    """The response as its event stream: created; per output item its addition, its text or
+    arguments (delta and done) and its completion; then completed."""
+    whole = response(done, response_id, tools)
+    number = iter(range(1 << 30))
+
+    def event(kind: str, **data: Any) -> str:
+        return (
+            f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(number), **data})}\n\n"
+        )
+
+    opening = whole | {"status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+    yield event("response.created", response=opening)
+    yield event("response.in_progress", response=opening)
+    for i, item in enumerate(whole["output"]):
+        yield event("response.output_item.added", output_index=i, item=_opening(item))
+        where = {"item_id": item["id"], "output_index": i}
+        if item["type"] == "message":
+            part = item["content"][0]
+            empty = part | {"text": ""}
+            yield event("response.content_part.added", **where, content_index=0, part=empty)
+            text = part["text"]
+            yield event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[])
+            yield event("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
+            yield event("response.content_part.done", **where, content_index=0, part=part)
+        elif item["type"] == "function_call":
+            arguments = item["arguments"]
+            yield event("response.function_call_arguments.delta", **where, delta=arguments)
+            yield event("response.function_call_arguments.done", **where, arguments=arguments)
+        yield event("response.output_item.done", output_index=i, item=item)
+    yield event(f"response.{whole['status']}", response=whole)
+
+
+def _opening(item: dict[str, Any]) -> dict[str, Any]:
+    if item["type"] == "message":
+        return item | {"status": "in_progress", "content": []}
+    if item["type"] == "function_call":
+        return item | {"status": "in_progress", "arguments": ""}
+    return item

@@ -1,0 +1,154 @@
+"""The gateway over HTTP: OpenAI Chat Completions, OpenAI Responses and Anthropic Messages, each at
+``/v1/...`` and at ``/s/{session}/v1/...``, plus ``/v1/models`` and ``/metrics``.
+
+A session is named by the URL or by the API key (``Authorization: Bearer KEY`` or ``x-api-key``), so
+an agent needs only ``base_url`` and ``api_key``. FastAPI routes, uvicorn serves: the standard ASGI
+pair, both already in the field's stacks (vLLM, SGLang). The server never dies from a request: every
+failure is answered in the caller's API's error schema. A client that goes away before its reply
+aborts the call's generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from turnrl.gateway import anthropic_messages, openai_chat, openai_responses
+from turnrl.gateway.call import ApiError, ChatRequest, Completed
+from turnrl.gateway.server import Gateway
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_SESSION = "default"
+POLL_SECONDS = 0.05  # how often a waiting call checks that its client is still there
+CLIENT_CLOSED = 499  # nginx's status for a request its client abandoned (nobody reads it)
+
+ErrorBody = Callable[[ApiError], dict[str, Any]]
+
+
+def make_app(gateway: Gateway) -> FastAPI:
+    """The FastAPI application serving ``gateway``."""
+    app = FastAPI(title="turnrl gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": gateway.model, "object": "model", "owned_by": "turnrl"}]}
+
+    async def chat(request: Request, session: str | None = None) -> Response:
+        async def run() -> Response:
+            asked = openai_chat.read_request(await _body(request))
+            done = await _answer(gateway, request, _name(request, session), asked)
+            if asked.stream:
+                return _stream(openai_chat.chunks(done, asked.include_usage))
+            return JSONResponse(openai_chat.response(done))
+
+        return await _guarded(gateway, run, openai_chat.error_body)
+
+    async def responses(request: Request, session: str | None = None) -> Response:
+        async def run() -> Response:
+            body = await _body(request)
+            name = _name(request, session)
+            earlier = body.get("previous_response_id") if isinstance(body, dict) else None
+            history = None
+            if earlier:
+                owner, history = gateway.history(str(earlier))
+                name = owner if session is None and _key(request) is None else name
+            asked = openai_responses.read_request(body, history)
+            done = await _answer(gateway, request, name, asked)
+            response_id = f"resp_{uuid.uuid4().hex}"
+            gateway.remember(response_id, name, [*asked.messages, done.reply.message])
+            if asked.stream:
+                return _stream(openai_responses.events(done, response_id, asked.tools))
+            return JSONResponse(openai_responses.response(done, response_id, asked.tools))
+
+        return await _guarded(gateway, run, openai_chat.error_body)
+
+    async def messages(request: Request, session: str | None = None) -> Response:
+        async def run() -> Response:
+            asked = anthropic_messages.read_request(await _body(request))
+            done = await _answer(gateway, request, _name(request, session), asked)
+            if asked.stream:
+                return _stream(anthropic_messages.events(done))
+            return JSONResponse(anthropic_messages.response(done))
+
+        return await _guarded(gateway, run, anthropic_messages.error_body)
+
+    async def count_tokens(request: Request, session: str | None = None) -> Response:
+        async def run() -> Response:
+            body = await _body(request)
+            asked = anthropic_messages.read_request(
+                {"max_tokens": 1, **body} if isinstance(body, dict) else body
+            )
+            gateway.check_model(asked.model)
+            return JSONResponse({"input_tokens": gateway.count_tokens(asked)})
+
+        return await _guarded(gateway, run, anthropic_messages.error_body, count=False)
+
+    for prefix in ("", "/s/{session}"):
+        app.get(f"{prefix}/v1/models")(models)
+        app.post(f"{prefix}/v1/chat/completions")(chat)
+        app.post(f"{prefix}/v1/responses")(responses)
+        app.post(f"{prefix}/v1/messages")(messages)
+        app.post(f"{prefix}/v1/messages/count_tokens")(count_tokens)
+    app.get("/metrics")(lambda: PlainTextResponse(gateway.metrics()))
+    return app
+
+
+async def _guarded(
+    gateway: Gateway, run: Callable[[], Awaitable[Response]], error_body: ErrorBody, count: bool = True
+) -> Response:
+    """``run``'s response, or its failure in the API's error schema (a bug answers 500)."""
+    try:
+        return await run()
+    except ApiError as exc:
+        gateway.counts["errors"] += count
+        return JSONResponse(error_body(exc), status_code=exc.status)
+    except Exception as exc:  # the server goes on
+        gateway.counts["errors"] += count
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        return JSONResponse(error_body(error), status_code=500)
+
+
+async def _answer(gateway: Gateway, request: Request, name: str, asked: ChatRequest) -> Completed:
+    """The gateway's answer, aborted (its generation cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(gateway.answer(name, asked))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=POLL_SECONDS)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ApiError(CLIENT_CLOSED, "the client closed the connection; the call was aborted")
+
+
+def _stream(events: Iterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+def _name(request: Request, session: str | None) -> str:
+    return session or _key(request) or DEFAULT_SESSION
+
+
+async def _body(request: Request) -> Any:
+    size = int(request.headers.get("content-length") or 0)
+    if size > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is {size} bytes; the limit is {MAX_BODY_BYTES}")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def _key(request: Request) -> str | None:
+    """The API key of a request (``Authorization: Bearer KEY`` or ``x-api-key``), which names its session."""
+    auth = request.headers.get("authorization") or ""
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+    return key or None
