@@ -47,12 +47,16 @@ class Recorder:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.seen: list[tuple[list[int], list[int]]] = []
+        self.images: list[int] = []  # how many images each call was given
+        self.where: list[str] = []  # the session/branch of each call
 
     async def generate(
         self, prompt_ids: Any, sampling: SamplingParams, images: Any = (), *, session: Any = None
     ) -> Generation:
         gen = await self.engine.generate(prompt_ids, sampling, images, session=session)
         self.seen.append((list(prompt_ids), list(gen.token_ids)))
+        self.images.append(len(images))
+        self.where.append(str(session))
         return gen
 
     async def close(self) -> None:
@@ -95,3 +99,18 @@ def assert_exact(traj: Trajectory, seen: list[tuple[list[int], list[int]]]) -> N
             len(prompt) - len(traj.prompt_ids), len(prompt) - len(traj.prompt_ids) + len(sampled)
         )
     assert covered == model
+
+
+def calls_on(gateway: Gateway, name: str, index: int) -> list[int]:
+    """The engine calls (indexes into ``Recorder.seen``) whose tokens branch ``index`` of session
+    ``name`` holds: its own, after those of its parent up to the point it forked at."""
+    engine: Recorder = gateway.engine  # type: ignore[assignment]
+    branch = gateway.sessions[name].branches[index]
+    own = [k for k, where in enumerate(engine.where) if where == f"{name}/{index}"]
+    if branch.fork_at is None or branch.parent is None:
+        return own
+    inherited = [
+        k for k in calls_on(gateway, name, branch.parent)
+        if len(engine.seen[k][0]) + len(engine.seen[k][1]) <= branch.fork_at
+    ]  # fmt: skip
+    return inherited + own

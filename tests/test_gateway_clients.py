@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_fixtures import ANSWER, CALL, START, TOOLS, assert_exact, gateway_for, serving
+from gateway_fixtures import ANSWER, CALL, START, TOOLS, assert_exact, calls_on, gateway_for, serving
 from openai import OpenAI
 
 from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
@@ -256,3 +256,104 @@ def test_an_agent_that_compacts_its_history_leaves_two_branches(qwen3_tokenizer:
     assert_exact(branches[0].trajectory("compactor"), seen[:3])
     assert_exact(branches[1].trajectory("compactor"), seen[3:])
     assert 0 < branches[1].shared_tokens < len(seen[3][0])  # the system prompt and tools
+
+
+def test_images_through_the_gateway_are_exact(tmp_path: Path) -> None:
+    """A real VLM (random-init tiny Qwen3-VL on the embedded engine): images in OpenAI user messages
+    and in an Anthropic tool result, over several turns; every branch holds exactly the tokens and
+    images the engine conditioned on."""
+    import anthropic
+    from gateway_fixtures import Recorder
+    from PIL import Image, ImageDraw
+
+    from turnrl.app.engines import hf_engine
+    from turnrl.chat.encoder import ChatEncoder
+    from turnrl.gateway import GatewayConfig
+    from turnrl.gateway.server import Gateway
+    from turnrl.gateway.store import CallLog
+    from turnrl.tools.parsers import get_parser
+    from turnrl.vision.content import data_url
+
+    def picture(i: int) -> str:
+        image = Image.new("RGB", (56 + 14 * i, 42), (40 * i % 255, 90, 160))
+        ImageDraw.Draw(image).rectangle((2, 2, 10 + i, 12), fill=(255, 255, 0))
+        return data_url(image)
+
+    engine = hf_engine("tiny-qwen3-vl", seed=0)
+    stops = list(range(0, 151000, 7))  # the random model rarely samples eos: short turns
+    config = GatewayConfig.model_validate(
+        {
+            "model": "tiny-qwen3-vl",
+            "output_dir": str(tmp_path),
+            "sampling": {"max_tokens": 12, "stop_token_ids": stops},
+        }
+    )
+    encoder = ChatEncoder(engine.tokenizer, vision=engine.vision)
+    gateway = Gateway(Recorder(engine), encoder, get_parser("hermes"), config, CallLog(tmp_path))
+
+    def image_part(i: int) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": picture(i)}}
+
+    with serving(gateway) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="eyes", max_retries=0)
+        messages: list[Any] = [
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image_part(0)]}
+        ]
+        for turn in range(1, 3):
+            reply = client.chat.completions.create(model="tiny-qwen3-vl", messages=messages)
+            parts = [{"type": "text", "text": f"And now {turn}?"}, image_part(turn), image_part(turn + 3)]
+            messages += [
+                reply.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": parts},
+            ]
+        edited = [
+            *messages[:2],
+            {"role": "user", "content": [{"type": "text", "text": "No:"}, image_part(7)]},
+        ]
+        client.chat.completions.create(model="tiny-qwen3-vl", messages=edited)  # forks after the first reply
+        bad = {"type": "image_url", "image_url": {"url": "/etc/passwd"}}
+        with pytest.raises(Exception, match="data:image"):
+            client.chat.completions.create(
+                model="tiny-qwen3-vl", messages=[{"role": "user", "content": [bad]}]
+            )
+        claude = anthropic.Anthropic(base_url=url, api_key="claude-eyes", max_retries=0)
+        png = picture(5).split(",", 1)[1]
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+        history: list[Any] = [
+            {"role": "user", "content": "Take a screenshot."},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}],
+            },
+        ]
+        tools = [{"name": "screenshot", "description": "The screen.", "input_schema": {"type": "object"}}]
+        for _ in range(2):
+            answer = claude.messages.create(
+                model="tiny-qwen3-vl", max_tokens=12, messages=history, tools=tools
+            )  # type: ignore[arg-type]
+            history += [
+                {"role": "assistant", "content": [b.model_dump() for b in answer.content] or ""},
+                {"role": "user", "content": [image, {"type": "text", "text": "And this one?"}]},
+            ]
+    seen = gateway.engine.seen  # type: ignore[attr-defined]
+    assert len(seen) == 5
+    for name in ("eyes", "claude-eyes"):
+        for branch in gateway.sessions[name].branches:
+            traj = branch.trajectory(name)
+            held = calls_on(gateway, name, branch.index)
+            assert_exact(traj, [seen[k] for k in held])
+            assert len(traj.images) == gateway.engine.images[held[-1]]  # type: ignore[attr-defined]
+    reasons = [b.reason for b in gateway.sessions["eyes"].branches]
+    assert reasons[0] == Reason.FIRST and reasons[-1] in (Reason.EDIT, Reason.CUT_REPLY)
+    assert gateway.engine.images == [1, 3, 2, 1, 2]  # type: ignore[attr-defined]  # every image so far, each call
+    branches = [
+        b.trajectory(name) for name in ("eyes", "claude-eyes") for b in gateway.sessions[name].branches
+    ]
+    on_disk = read_branches(tmp_path / "calls.jsonl")
+    assert [t.input_ids for t in on_disk] == [t.input_ids for t in branches]
+    assert [len(t.images) for t in on_disk] == [len(t.images) for t in branches]
+    assert [[i.size for i in t.images] for t in on_disk] == [[i.size for i in t.images] for t in branches]

@@ -36,7 +36,13 @@ def _text_and_images(content: Any, where: str) -> tuple[str, list[str]]:
             texts.append(str(part.get("text", "")))
         elif kind == "image_url":
             url = part.get("image_url")
-            images.append(str(url.get("url") if isinstance(url, Mapping) else url))
+            url = str(url.get("url") if isinstance(url, Mapping) else url)
+            if not url.startswith("data:image/"):
+                raise BadMessage(
+                    f"{where}.content[{i}] is an image at {url[:60]!r}; send images inline as "
+                    "data:image/...;base64 URLs (the gateway fetches nothing and reads no files)"
+                )
+            images.append(url)
         else:
             raise BadMessage(
                 f"{where}.content[{i}] has type {kind!r}; this endpoint reads text and image_url"

@@ -78,9 +78,7 @@ class Gateway:
             prompt = plan.prompt
             cached = 0 if plan.new and plan.branch.fork_at is None else len(plan.branch.sequence)
             sampling = self._sampling(session, plan, request, len(prompt))
-            images = (
-                plan.added.images if plan.new else [*plan.branch.episode.record.images, *plan.added.images]
-            )
+            images = [*plan.branch.episode.record.images, *plan.added.images]
             record = plan.branch.episode.record
             sample = Sample(name, [])
             turn = TurnContext(sample, plan.branch.index, [*record.messages, *plan.added.messages], images)

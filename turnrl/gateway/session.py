@@ -32,6 +32,8 @@ from turnrl.rollout.record import ResponseRecord
 from turnrl.tools.base import ParseResult
 from turnrl.tools.parser_base import ToolParser, split_reasoning
 from turnrl.types import Generation, Sample, StopReason, Trajectory
+from turnrl.vision.buffer import MultimodalBuffer, first_images
+from turnrl.vision.content import count_images
 
 
 class Reason(StrEnum):
@@ -148,6 +150,10 @@ def copy_record(record: ResponseRecord, prompt_len: int, end: int, messages: int
     turns that end by then and the first ``messages`` messages."""
     cut = end - prompt_len
     turns = [t for t in record.turns if t.end <= cut]
+    kept = list(record.messages[:messages])
+    images = count_images(kept)
+    multimodal = MultimodalBuffer()
+    multimodal.append(first_images(record.multimodal.merge(), images) if images else {})
     return ResponseRecord(
         sequence=record.sequence[:end],
         response_ids=record.response_ids[:cut],
@@ -155,9 +161,11 @@ def copy_record(record: ResponseRecord, prompt_len: int, end: int, messages: int
         rollout_logprobs=record.rollout_logprobs[:cut],
         policy_versions=record.policy_versions[:cut],
         turns=list(turns),
-        messages=list(record.messages[:messages]),
+        messages=kept,
         num_model_turns=sum(1 for t in turns if t.role == "assistant"),
         reported=len(turns),
+        images=record.images[:images],
+        multimodal=multimodal,
     )
 
 

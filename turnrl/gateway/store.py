@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from turnrl.chat.encoder import Encoded
 from turnrl.gateway.session import Plan, Reply, copy_record
 from turnrl.rollout.collector import JsonlWriter
 from turnrl.rollout.episode import Episode
-from turnrl.types import Generation, Sample, StopReason, Trajectory
+from turnrl.types import Generation, Message, Sample, StopReason, Trajectory
+from turnrl.vision.content import count_images, load_image, messages_from_json, messages_to_json
+from turnrl.vision.processor import ImageInput
 
 CALLS = "calls.jsonl"
 
@@ -36,15 +39,14 @@ def call_record(
             "shared_tokens": branch.shared_tokens,
         }
         if branch.fork_at is None:
-            record["prompt"] = {
-                "ids": branch.episode.prompt_ids,
-                "messages": _plain(branch.episode.sample.prompt),
-            }
+            prompt = branch.episode.record.messages[: len(branch.episode.sample.prompt)]
+            images = branch.episode.record.images[: count_images(prompt)]
+            record["prompt"] = {"ids": branch.episode.prompt_ids, **_with_images(prompt, images)}
         else:
             record["fork"] = {"at": branch.fork_at, "messages": branch.fork_messages}
     return record | {
         "added_ids": plan.added.ids,
-        "added_messages": _plain(plan.added.messages),
+        **{f"added_{k}": v for k, v in _with_images(plan.added.messages, plan.added.images).items()},
         "ids": gen.token_ids,
         "logprobs": gen.logprobs,
         "versions": versions,
@@ -55,8 +57,30 @@ def call_record(
     }
 
 
-def _plain(messages: Any) -> Any:
-    return json.loads(json.dumps(messages, default=str))
+def _with_images(messages: list[Message], images: list[ImageInput]) -> dict[str, Any]:
+    """Messages as JSON (image parts as indexes into ``images``) and the images as data URLs."""
+    if not images:
+        return {"messages": messages}
+    return {
+        "messages": messages_to_json(messages, [i.image for i in images]),
+        "images": [i.data_url for i in images],
+    }
+
+
+@dataclass
+class StoredImage:
+    """An image read back from ``calls.jsonl``: the picture (training recomputes its tensors)."""
+
+    image: Any
+
+
+def _read_images(record: dict[str, Any]) -> tuple[list[Message], list[Any]]:
+    """A record's messages with their images restored, and the images."""
+    pictures = [load_image(url) for url in record.get("images") or ()]
+    messages = record["messages"]
+    return (messages_from_json(messages, pictures) if pictures else messages), [
+        StoredImage(p) for p in pictures
+    ]
 
 
 class CallLog:
@@ -98,7 +122,10 @@ def read_branches(path: Path) -> list[Trajectory]:
             links[where]["fork_at"] = (call.get("fork") or {}).get("at")
         episode = episodes[where]
         if call["added_ids"] or call["added_messages"]:
-            episode.record.add_env(Encoded(call["added_ids"], call["added_messages"]), "", 0.0, 0)
+            messages, images = _read_images(
+                {"messages": call["added_messages"], "images": call.get("added_images")}
+            )
+            episode.record.add_env(Encoded(call["added_ids"], messages, images), "", 0.0, 0)
         gen = Generation(call["ids"], call["logprobs"], call["finish_reason"], None, call["versions"])
         episode.record.add_model(gen, call["text"], 0.0, call["versions"])
         episode.record.messages.append(call["sampled_message"])
@@ -115,9 +142,10 @@ def _start(call: dict[str, Any], episodes: dict[tuple[str, int], Episode]) -> Ep
     """A branch's episode at its first call: its prompt, or its parent's tokens up to the fork."""
     if "prompt" in call:
         prompt = call["prompt"]
-        episode = Episode(Sample(call["session"], prompt["messages"]), call["branch"])
+        messages, images = _read_images(prompt)
+        episode = Episode(Sample(call["session"], messages), call["branch"])
         episode.prompt_ids = prompt["ids"]
-        episode.record.start(Encoded(prompt["ids"], prompt["messages"]))
+        episode.record.start(Encoded(prompt["ids"], messages, images))
         return episode
     parent = episodes[(call["session"], call["parent"])]
     fork = call["fork"]

@@ -99,6 +99,15 @@ def has_images(messages: Sequence[Message]) -> bool:
     )
 
 
+def count_images(messages: Sequence[Message]) -> int:
+    """How many image parts the messages hold."""
+    return sum(
+        sum(1 for p in m.get("content") or [] if is_image_part(p))
+        for m in messages
+        if not isinstance(m.get("content"), str)
+    )
+
+
 def data_url(image: Any, fmt: str = "PNG") -> str:
     """A ``data:image/png;base64,...`` URL of a PIL image (lossless by default)."""
     buffer = io.BytesIO()
