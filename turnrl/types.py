@@ -179,10 +179,14 @@ class SamplingParams:
         """A copy with another max_tokens."""
         return replace(self, max_tokens=max_tokens)
 
-    def for_request(self, max_tokens: int, seed: int | None) -> SamplingParams:
+    def for_request(
+        self, max_tokens: int, seed: int | None, stop_token_ids: tuple[int, ...] | None = None
+    ) -> SamplingParams:
         """A copy for one request, without re-validating (the rollout calls it every turn)."""
         new = object.__new__(SamplingParams)
         new.__dict__.update(self.__dict__, max_tokens=max_tokens, seed=seed)
+        if stop_token_ids is not None:
+            new.__dict__["stop_token_ids"] = stop_token_ids
         return new
 
 

@@ -98,18 +98,28 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
     }
 
 
-def check_call_ids(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse a tool result that answers a call no earlier assistant message made (by its id)."""
+def check_call_ids(messages: Sequence[Mapping[str, Any]], start: int = 0) -> None:
+    """Refuse a tool result (from ``messages[start]`` on) that answers a call the assistant message
+    before it did not make (by its id). Earlier messages were checked by earlier calls."""
     made: set[str] = set()
-    for i, message in enumerate(messages):
+    first = start
+    while first > 0 and messages[first - 1].get("role") == "tool":  # the calls the first results answer
+        first -= 1
+    for i in range(max(first - 1, 0), len(messages)):
+        message = messages[i]
         if not isinstance(message, Mapping):
             continue
-        for call in message.get("tool_calls") or ():
-            if isinstance(call, Mapping) and call.get("id"):
-                made.add(str(call["id"]))
+        if message.get("role") == "assistant":
+            made = {
+                str(c["id"])
+                for c in message.get("tool_calls") or ()
+                if isinstance(c, Mapping) and c.get("id")
+            }
         answered = message.get("tool_call_id") if message.get("role") == "tool" else None
-        if answered and str(answered) not in made:
-            raise BadMessage(f"messages[{i}] answers tool call {answered!r}, which no earlier message made")
+        if i >= start and answered and str(answered) not in made:
+            raise BadMessage(
+                f"messages[{i}] answers tool call {answered!r}, which the assistant before it did not make"
+            )
 
 
 def key(message: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -139,7 +149,12 @@ def same_message(x: Mapping[str, Any], y: Mapping[str, Any]) -> bool:
 
 def same(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> bool:
     """Whether two message lists mean the same, message by message."""
-    return len(a) == len(b) and all(same_message(x, y) for x, y in zip(a, b, strict=True))
+    if len(a) != len(b):
+        return False
+    last = len(a) - 1  # a client re-sends its earlier messages as they were: all but the reply compare equal
+    if last >= 0 and a[:last] == b[:last]:
+        return same_message(a[last], b[last])
+    return all(same_message(x, y) for x, y in zip(a, b, strict=True))
 
 
 def first_difference(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> int:

@@ -25,7 +25,6 @@ from turnrl.gateway.server import Gateway
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_SESSION = "default"
-POLL_SECONDS = 0.05  # how often a waiting call checks that its client is still there
 CLIENT_CLOSED = 499  # nginx's status for a request its client abandoned (nobody reads it)
 
 ErrorBody = Callable[[ApiError], dict[str, Any]]
@@ -114,16 +113,24 @@ async def _guarded(
 
 
 async def _answer(gateway: Gateway, request: Request, name: str, asked: ChatRequest) -> Completed:
-    """The gateway's answer, aborted (its generation cancelled) if the client disconnects first."""
+    """The gateway's answer, aborted (its generation cancelled) if the client disconnects first:
+    with the body read, the next ASGI message a request receives is its disconnect."""
     task = asyncio.ensure_future(gateway.answer(name, asked))
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=POLL_SECONDS)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise ApiError(CLIENT_CLOSED, "the client closed the connection; the call was aborted")
+    gone: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
+    try:
+        while not task.done():
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone.done() and gone.result().get("type") == "http.disconnect":
+                break
+            if gone.done():  # not a disconnect (nothing else is sent): listen again
+                gone = asyncio.ensure_future(request.receive())
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ApiError(CLIENT_CLOSED, "the client closed the connection; the call was aborted")
 
 
 def _stream(events: Iterator[str]) -> StreamingResponse:

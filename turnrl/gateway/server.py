@@ -9,7 +9,6 @@ the engine and leaves its session as it was.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import Counter, OrderedDict, defaultdict
 from typing import Any
@@ -116,7 +115,7 @@ class Gateway:
             seed = request_seed(
                 self.config.seed, Sample(f"{name}#{k}", []), plan.branch.index, plan.branch.calls
             )
-            return dataclasses.replace(sampling, seed=seed)
+            return sampling.for_request(sampling.max_tokens, seed)
 
         try:
             return list(
@@ -139,8 +138,9 @@ class Gateway:
 
     def _plan(self, session: Session, request: ChatRequest) -> Plan:
         try:
-            check_call_ids(request.messages)
-            return session.plan(request.messages, request.tools)
+            plan = session.plan(request.messages, request.tools)
+            check_call_ids(request.messages, 0 if plan.new else len(plan.branch.seen))
+            return plan
         except BadMessage as exc:
             raise ApiError(400, str(exc), param="messages") from None
         except NoVisionError as exc:
@@ -170,7 +170,7 @@ class Gateway:
             stops.append(ids[0])
         max_tokens = min(forced.max_tokens, request.max_tokens or forced.max_tokens, left)
         seed = request_seed(self.config.seed, Sample(session.name, []), plan.branch.index, plan.branch.calls)
-        return dataclasses.replace(forced, max_tokens=max_tokens, seed=seed, stop_token_ids=tuple(stops))
+        return forced.for_request(max_tokens, seed, tuple(stops))
 
     def count_tokens(self, request: ChatRequest) -> int:
         """The tokens ``request``'s messages take as a fresh prompt (Anthropic's count_tokens)."""

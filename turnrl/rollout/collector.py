@@ -112,6 +112,13 @@ class JsonlWriter:
             self._abandon()
             raise OSError(exc.errno, f"cannot write {self.path}: {exc.strerror or exc}") from exc
 
+    def sync(self) -> None:
+        """Force what is written to disk (for a writer made with ``fsync=False`` that syncs in batches)."""
+        file = self._file
+        if file is not None:
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile: close synced it
+                os.fsync(file.fileno())
+
     def _abandon(self) -> None:
         """Drop the file after a failed write (its buffer would fail again on close)."""
         file, self._file = self._file, None
