@@ -10,6 +10,7 @@ bash scripts/install_browser.sh   # Debian's chromium, for the viewer's browser 
 bash scripts/install_sandbox.sh   # bubblewrap, for the code-execution sandbox's tests
 bash scripts/install_server.sh    # llama.cpp's llama-server built from source, for the server tests
 bash scripts/install_vllm.sh      # vLLM's own virtualenv (CPU build), for the real vLLM tests
+bash scripts/install_agents.sh    # the Codex CLI (npm), for the gateway's coding-harness test
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check turnrl tests bench
 .venv/bin/ruff format --check turnrl tests bench

@@ -85,7 +85,7 @@ def test_an_anthropic_sdk_agent_with_thinking_and_tools(
 def test_anthropic_errors_come_in_anthropics_schema(qwen3_tokenizer: Any, tmp_path: Path) -> None:
     import anthropic
 
-    gateway = gateway_for(ScriptedEngine(qwen3_tokenizer, []), qwen3_tokenizer, tmp_path)
+    gateway = gateway_for(ScriptedEngine(qwen3_tokenizer, ["Hi."]), qwen3_tokenizer, tmp_path)
     with serving(gateway) as url:
         client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
         with pytest.raises(anthropic.NotFoundError, match="not_found_error"):
@@ -98,9 +98,11 @@ def test_anthropic_errors_come_in_anthropics_schema(qwen3_tokenizer: Any, tmp_pa
         with pytest.raises(anthropic.BadRequestError, match="answers tool call 'toolu_x'"):
             client.messages.create(model="tiny-qwen3", max_tokens=8, messages=orphan)  # type: ignore[arg-type]
         search = [{"type": "web_search_20250305", "name": "web_search"}]
-        with pytest.raises(anthropic.BadRequestError, match="server tool"):
-            client.messages.create(model="tiny-qwen3", max_tokens=8, tools=search,  # type: ignore[list-item]
-                                   messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+        # a server tool the model cannot call is left out of its prompt, and counted
+        hi = client.messages.create(model="tiny-qwen3", max_tokens=8, tools=search,  # type: ignore[list-item]
+                                    messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+        assert hi.content[0].text == "Hi."  # type: ignore[union-attr]
+        assert 'dropped_tools_total{type="web_search_20250305"} 1' in httpx.get(f"{url}/metrics").text
         raw = httpx.post(f"{url}/v1/messages", json={"model": "tiny-qwen3", "messages": []})
     assert raw.status_code == 400 and raw.json()["type"] == "error"
     assert raw.json()["error"]["type"] == "invalid_request_error"

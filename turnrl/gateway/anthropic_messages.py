@@ -22,6 +22,8 @@ KNOWN = {
     "temperature", "top_p", "top_k", "metadata", "thinking", "service_tier", "output_config",
     "context_management",
 }  # fmt: skip
+# Server tools (web search, code execution...) are left out of what the model sees: a self-hosted
+# model cannot call them. ``/metrics`` counts them by type.
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
@@ -48,10 +50,15 @@ def read_request(body: Any) -> ChatRequest:
     for i, message in enumerate(messages):
         out += chat_messages(message, f"messages.{i}")
     stop = body.get("stop_sequences") or []
+    listed = body.get("tools") or []
+    if not isinstance(listed, list):
+        raise ApiError(400, "tools: must be a list", param="tools")
+    client = [t for t in listed if not (isinstance(t, Mapping) and t.get("type") not in (None, "custom"))]
     return ChatRequest(
         model=str(body.get("model", "")),
         messages=out,
-        tools=[_tool(t, f"tools.{i}") for i, t in enumerate(body.get("tools") or ())] or None,
+        tools=[_tool(t, f"tools.{i}") for i, t in enumerate(client)] or None,
+        dropped_tools=[str(t["type"]) for t in listed if t not in client],
         max_tokens=limit,
         stop=[str(s) for s in stop],
         stream=bool(body.get("stream")),
@@ -69,9 +76,6 @@ def _system(system: Any) -> str:
 def _tool(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
         raise ApiError(400, f"{where}: a tool needs a name", param="tools")
-    if tool.get("type") not in (None, "custom"):
-        message = f"{where}: tool type {tool['type']!r} is a server tool; this gateway serves client tools"
-        raise ApiError(400, message, param="tools")
     function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
     if tool.get("description"):
         function["description"] = tool["description"]

@@ -42,6 +42,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     n: int = 1
+    dropped_tools: list[str] = field(default_factory=list)  # hosted tools' types (the model cannot call them)
 
 
 @dataclass

@@ -23,8 +23,11 @@ KNOWN = {
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "stream", "stream_options", "reasoning", "store", "include", "temperature", "top_p", "metadata",
     "previous_response_id", "truncation", "user", "text", "prompt_cache_key", "service_tier",
-    "safety_identifier", "top_logprobs",
+    "safety_identifier", "top_logprobs", "client_metadata",
 }  # fmt: skip
+"""Fields a request may carry. Tools other than functions (hosted ones: web search, file search, a
+namespace of another agent's tools) are left out of what the model sees: a self-hosted model cannot
+call them. ``/metrics`` counts them by type."""
 
 
 def read_request(body: Any, history: list[dict[str, Any]] | None = None) -> ChatRequest:
@@ -41,25 +44,27 @@ def read_request(body: Any, history: list[dict[str, Any]] | None = None) -> Chat
     if body.get("instructions") and not history:
         messages.append({"role": "system", "content": str(body["instructions"])})
     messages += chat_messages(items)
-    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(body.get("tools") or ())]
+    listed = body.get("tools") or []
+    if not isinstance(listed, list):
+        raise ApiError(400, "'tools' must be a list", param="tools")
+    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(listed) if _is_function(t)]
     return ChatRequest(
         model=str(body.get("model", "")),
         messages=messages,
         tools=tools or None,
         max_tokens=positive(body.get("max_output_tokens"), "max_output_tokens"),
         stream=bool(body.get("stream")),
+        dropped_tools=[str(t.get("type")) for t in listed if isinstance(t, Mapping) and not _is_function(t)],
     )
 
 
+def _is_function(tool: Any) -> bool:
+    return isinstance(tool, Mapping) and tool.get("type") == "function"
+
+
 def _tool(tool: Any, where: str) -> dict[str, Any]:
-    if (
-        not isinstance(tool, Mapping)
-        or tool.get("type") != "function"
-        or not isinstance(tool.get("name"), str)
-    ):
-        kind = tool.get("type") if isinstance(tool, Mapping) else None
-        message = f"{where} has type {kind!r}; this gateway serves function tools ({{type: function, name}})"
-        raise ApiError(400, message, param="tools")
+    if not isinstance(tool.get("name"), str):
+        raise ApiError(400, f"{where}: a function tool needs a name", param="tools")
     function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
     if tool.get("description"):
         function["description"] = tool["description"]

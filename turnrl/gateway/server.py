@@ -70,6 +70,8 @@ class Gateway:
         """Answer one call of session ``name``: ``request.n`` replies to its messages (the first on
         the branch the call extends, each other one a branch of its own that says ``sample``)."""
         self.check_model(request.model)
+        for kind in request.dropped_tools:
+            self.counts[f"dropped:{kind}"] += 1
         async with self._locks[name]:
             t0 = time.perf_counter()
             session = self.session(name)
@@ -213,4 +215,6 @@ class Gateway:
         for name, n in sorted(self.counts.items()):
             if name.startswith("branch:") and n:
                 lines.append(f'turnrl_gateway_branches_total{{reason="{name[7:]}"}} {n}')
+            if name.startswith("dropped:"):
+                lines.append(f'turnrl_gateway_dropped_tools_total{{type="{name[8:]}"}} {n}')
         return "\n".join(lines) + "\n"
