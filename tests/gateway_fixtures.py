@@ -59,6 +59,10 @@ class Recorder:
         self.where.append(str(session))
         return gen
 
+    @property
+    def weight_version(self) -> int:
+        return int(getattr(self.engine, "weight_version", 0))
+
     async def close(self) -> None:
         await self.engine.close()
 

@@ -222,6 +222,14 @@ def test_the_cli_serves_and_a_kill_loses_no_completed_call(tiny_qwen3_dir: Path,
     assert all(
         sum(t.loss_mask) > 0 and len(t.input_ids) == len(t.prompt_ids) + len(t.loss_mask) for t in branches
     )
+    # `turnrl view` shows a gateway's folder: every session's branches
+    viewed = subprocess.run(
+        [sys.executable, "-m", "turnrl.cli", "view", str(tmp_path / "gw")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert viewed.returncode == 0, viewed.stderr
+    page = (tmp_path / "gw" / "view.html").read_text()
+    assert '"session": "first"' in page and '"session": "second"' in page
 
 
 def test_the_embedded_engine_behind_the_gateway_is_exact(

@@ -359,3 +359,46 @@ def test_images_through_the_gateway_are_exact(tmp_path: Path) -> None:
     assert [t.input_ids for t in on_disk] == [t.input_ids for t in branches]
     assert [len(t.images) for t in on_disk] == [len(t.images) for t in branches]
     assert [[i.size for i in t.images] for t in on_disk] == [[i.size for i in t.images] for t in branches]
+
+
+def test_a_weight_update_lets_calls_in_flight_finish_and_holds_new_ones(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    """Call A is generating when an update starts: it finishes under version 0 before the update
+    runs; call B, sent during the update, reaches the engine only after it, under version 1."""
+    from turnrl.gateway.call import ChatRequest
+
+    class Versioned(ScriptedEngine):
+        weight_version = 0
+
+    engine = Versioned(qwen3_tokenizer, [ScriptedReply(text="Old weights.", delay_s=1.0), "New weights."])
+    gateway = gateway_for(engine, qwen3_tokenizer, tmp_path)
+    seen: list[tuple[str, int]] = []  # (moment, calls the engine had received)
+
+    async def update() -> None:
+        seen.append(("update starts", len(engine.calls)))
+        await asyncio.sleep(0.5)
+        engine.weight_version = 1
+        seen.append(("update ends", len(engine.calls)))
+
+    def ask(text: str) -> ChatRequest:
+        return ChatRequest("", [{"role": "user", "content": text}], None, None)
+
+    async def scenario() -> tuple[Any, Any]:
+        first = asyncio.ensure_future(gateway.answer("a", ask("A")))
+        await asyncio.sleep(0.2)  # A is generating
+        updating = asyncio.ensure_future(gateway.update_weights(update))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(gateway.answer("b", ask("B")))
+        done_a = await first
+        seen.append(("A answered", len(engine.calls)))
+        await updating
+        return done_a, await second
+
+    done_a, done_b = asyncio.run(scenario())
+    assert done_a.reply.text == "Old weights." and done_b.reply.text == "New weights."
+    assert ("update starts", 1) in seen and ("update ends", 1) in seen  # B waited for the update
+    versions = {
+        n: set(s.branches[0].episode.record.policy_versions) - {-1} for n, s in gateway.sessions.items()
+    }
+    assert versions == {"a": {0}, "b": {1}}

@@ -224,7 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--template-kwargs", help="JSON, e.g. '{\"enable_thinking\": false}'")
     chk.set_defaults(func=_check_template)
     view = sub.add_parser("view", help="write a static HTML viewer of a run's trajectories")
-    view.add_argument("run_dir", help="a folder with trajectories.jsonl (the output_dir of a rollout)")
+    view.add_argument(
+        "run_dir",
+        help="a folder with trajectories.jsonl (a rollout's output_dir) or calls.jsonl (a gateway's)",
+    )
     view.add_argument("--out", help="where to write the page (default RUN_DIR/view.html)")
     view.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 instead")
     view.add_argument("--port", type=int, default=0, help="port for --serve (default: any free port)")

@@ -3,7 +3,8 @@ generated, recorded and answered (``session``, ``store``); ``routes`` serves it 
 
 The calls of one session run one at a time (a session is one agent's conversation); sessions run
 concurrently on the engine. A call cancelled before its reply (the client went away) is aborted on
-the engine and leaves its session as it was.
+the engine and leaves its session as it was. A weight update (``update_weights``) waits for the
+calls generating to finish under the old weights and holds new ones until it is done.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from turnrl.chat.encoder import ChatEncoder, NoVisionError
@@ -52,6 +54,10 @@ class Gateway:
         self.counts: Counter[str] = Counter()  # calls, errors, aborted, tokens, branches by reason
         self.seconds = 0.0  # time spent answering calls
         self.responses: OrderedDict[str, tuple[str, list[dict[str, Any]]]] = OrderedDict()
+        self._open = asyncio.Event()  # cleared while weights are updated: new generations wait
+        self._open.set()
+        self._generating = 0  # generations in flight
+        self._idle = asyncio.Condition()
 
     def session(self, name: str) -> Session:
         """The session ``name`` (made on its first call)."""
@@ -119,6 +125,8 @@ class Gateway:
             )
             return sampling.for_request(sampling.max_tokens, seed)
 
+        await self._open.wait()
+        self._generating += 1
         try:
             return list(
                 await asyncio.gather(
@@ -130,6 +138,22 @@ class Gateway:
             raise
         except Exception as exc:
             raise ApiError(503, f"the engine failed: {type(exc).__name__}: {exc}", "server_error") from None
+        finally:
+            self._generating -= 1
+            async with self._idle:
+                self._idle.notify_all()
+
+    async def update_weights(self, update: Callable[[], Awaitable[None]]) -> None:
+        """Run ``update`` (a weight update of the engine) with no generation in flight: new calls
+        wait until it is done; calls already generating finish under the old weights first. So no
+        reply mixes weight versions, and each token's version is the one it was sampled under."""
+        self._open.clear()
+        try:
+            async with self._idle:
+                await self._idle.wait_for(lambda: self._generating == 0)
+            await update()
+        finally:
+            self._open.set()
 
     def _commit(self, session: Session, plan: Plan, gen: Generation, seconds: float) -> Reply:
         versions = list(gen.versions or [weight_version(self.engine)] * len(gen.token_ids))

@@ -1,4 +1,5 @@
-"""Build the trajectory viewer: one self-contained HTML page per run, data embedded as JSON."""
+"""Build the trajectory viewer: one self-contained HTML page per run (or per gateway folder: every
+session's branches), data embedded as JSON."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from turnrl.rollout.codec import strict_json
+from turnrl.gateway.store import CALLS, read_branches
+from turnrl.rollout.codec import strict_json, trajectory_to_json
 from turnrl.viewer.assets import PAGE_CSS, PAGE_JS, PAGE_TEMPLATE
 
 TRAJECTORIES = "trajectories.jsonl"
@@ -43,9 +45,13 @@ def read_run(run_dir: Path) -> Run:
     if not run_dir.is_dir():
         raise ViewerError(f"no run directory at {run_dir}")
     path = run_dir / TRAJECTORIES
-    if not path.is_file():
-        raise ViewerError(f"no {TRAJECTORIES} in {run_dir}")
-    trajectories = list(_read_jsonl(path))
+    if not path.is_file() and (run_dir / CALLS).is_file():  # a gateway's folder: its sessions' branches
+        path = run_dir / CALLS
+        trajectories = [{**trajectory_to_json(t), "line": k} for k, t in enumerate(read_branches(path), 1)]
+    elif not path.is_file():
+        raise ViewerError(f"no {TRAJECTORIES} (nor a gateway's {CALLS}) in {run_dir}")
+    else:
+        trajectories = list(_read_jsonl(path))
     if not trajectories:
         raise ViewerError(f"{path} holds no trajectories")
     config_text = _read_text(run_dir / CONFIG)
