@@ -207,3 +207,16 @@ def test_train_runs_a_step_and_resumes(tmp_path: Path, tiny_qwen3_dir: Path) -> 
     assert steps[-1] == 2 and steps.count(1) == 1  # resumed after step 1, did not redo it
     bad = turnrl("train", str(path), "--set", "optim.lrr=1", cwd=tmp_path)
     assert bad.returncode == 2 and "unknown config key 'optim.lrr'" in bad.stderr
+
+
+def test_set_switches_an_engine_kind_as_a_user_types_it() -> None:
+    """``--set engine.kind=hf`` on a scripted config replaces the section (the scripted engine's
+    policy means nothing to hf), whatever the order of the command's other overrides."""
+    from turnrl.config import HFEngineConfig, load_config
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "scripted_guess_number.yaml"
+    assert load_config(example).engine.kind == "scripted"
+    switched = load_config(example, ["engine.dtype=float32", "engine.kind=hf", "engine.max_batch_size=3"])
+    assert isinstance(switched.engine, HFEngineConfig)
+    assert (switched.engine.dtype, switched.engine.max_batch_size) == ("float32", 3)
+    assert load_config(example, ["engine.kind=scripted"]).engine.kind == "scripted"  # same kind: kept

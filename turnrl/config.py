@@ -426,11 +426,17 @@ def _parse_value(raw: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides to a nested dict."""
+    """Apply ``a.b.c=value`` overrides to a nested dict. Setting a section's ``kind`` to another
+    kind (``engine.kind=hf`` on a scripted engine) replaces the section with the new kind's
+    defaults, since the old kind's keys mean nothing to it; kind switches apply first, so the
+    other overrides of the same command land on the new section."""
+    split = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {item!r}")
+        split.append((key, raw))
+    for key, raw in sorted(split, key=lambda kv: kv[0].split(".")[-1] != "kind"):  # stable: kinds first
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -438,7 +444,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"--set {key}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = _parse_value(raw)
+        value = _parse_value(raw)
+        if parts[-1] == "kind" and len(parts) > 1 and node.get("kind") not in (None, value):
+            node.clear()
+        node[parts[-1]] = value
     return data
 
 
