@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
+  { echo "setup: turnrl needs Python 3.11 or newer; $PY is $("$PY" -V 2>&1)" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # pip's warnings (index locations, build-backend deprecations) go to a log shown only on failure
 # TURNRL_CONSTRAINTS: a pip constraints file (scripts/test.sh passes scripts/constraints/test.txt,

