@@ -45,3 +45,46 @@ def test_the_architecture_page_lists_the_enforced_layers() -> None:
 def test_every_page_is_in_the_site_nav() -> None:
     nav = (REPO / "mkdocs.yml").read_text()
     assert all(f": {p.name}" in nav for p in (REPO / "docs").glob("*.md"))
+
+
+NAME = re.compile(r"`(turnrl(?:\.\w+)+)(?:\(\))?`|`([A-Z]\w+)\.(\w+)(?:\(\))?`")
+
+
+def resolve(dotted: str) -> bool:
+    """Whether ``turnrl.a.b.c`` names a module or an attribute of one."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(found, attr):
+                return False
+            found = getattr(found, attr)
+        return True
+    return False
+
+
+def has_attribute(cls: type, attr: str) -> bool:
+    """An attribute, or a field of a dataclass or pydantic model (fields with factories are not
+    class attributes)."""
+    fields = {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}
+    return hasattr(cls, attr) or attr in fields
+
+
+def test_every_documented_turnrl_name_exists() -> None:
+    """A `turnrl.module.name` or an exported class's `Class.attribute` named in the README or the
+    docs exists (a renamed or removed name fails here, not in a reader's session)."""
+    import turnrl
+
+    missing = []
+    for page in PAGES:
+        for dotted, cls, attr in NAME.findall(page.read_text()):
+            if dotted and not resolve(dotted):
+                missing.append(f"{page.name}: {dotted}")
+            elif cls in turnrl.__all__ and not has_attribute(getattr(turnrl, cls), attr):
+                missing.append(f"{page.name}: {cls}.{attr}")
+    assert not missing, missing
