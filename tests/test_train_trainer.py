@@ -314,3 +314,26 @@ async def test_inference_samples_turn_on_inference_contexts_and_train(
     finally:
         await run.engine.close()
     assert metrics["train/samples"] > 0
+
+
+def test_a_step_of_cut_turns_is_warned_of_and_the_run_can_be_viewed(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """Every turn cut at max_tokens: the step says so in a warning line and in its metrics; the
+    training run's saved rollouts and evaluations open in the viewer."""
+    from turnrl.train.metrics import step_warnings
+    from turnrl.viewer.page import read_run
+
+    cfg = config(tmp_path, tiny_qwen3_dir, steps=1, save_rollouts=True)
+    cfg = cfg.model_copy(update={"sampling": SamplingParams(temperature=1.0, max_tokens=1)})
+    said = io.StringIO()
+    train(cfg, console=Console(file=said, width=200))
+    [record] = [r for r in read_metrics(Path(cfg.output_dir) / "metrics.jsonl") if r["step"] == 1]
+    assert record["train/turns_cut_fraction"] == 1.0
+    assert "warning: step 1: 100% of model turns were cut at max_tokens" in said.getvalue()
+    assert step_warnings(3, {"train/samples": 0})[0].startswith("warning: step 3 trained on no samples")
+    assert step_warnings(3, {"train/samples": 5, "train/turns_cut_fraction": 0.4}) == []
+    viewed = read_run(Path(cfg.output_dir))
+    assert {t["info"]["split"] for t in viewed.trajectories} >= {"train"} and viewed.trajectories[0]["info"][
+        "step"
+    ] == "000001"

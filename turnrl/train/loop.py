@@ -10,7 +10,7 @@ from typing import Any
 from turnrl.config import VLLMEngineConfig
 from turnrl.support.run_folder import drop_aside
 from turnrl.train.checkpoint import save
-from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plot_rewards
+from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plot_rewards, step_warnings
 from turnrl.train.overlap import Feed, overlapped_step, start_feed
 from turnrl.train.progress import TrainProgress
 from turnrl.train.sft import warm_start
@@ -54,6 +54,8 @@ async def run_training(run: Run) -> dict[str, Any]:
                     metrics |= await evaluate(run, step)
                 run.step = step
                 log.log(step, steps, metrics)
+                for line in step_warnings(step, metrics) if main else ():
+                    console.print(line, style="yellow", markup=False, highlight=False)
                 if step == first + 1 and main:
                     drop_aside(run.out_dir)  # the run an --overwrite replaced goes only now
                 if is_due(step, config.train.save_every, steps):

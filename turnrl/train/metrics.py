@@ -214,6 +214,7 @@ def plot_rewards(records: Sequence[dict[str, Any]], path: Path) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     train = [(r["step"], r["reward/mean"]) for r in records if "reward/mean" in r]
@@ -222,12 +223,33 @@ def plot_rewards(records: Sequence[dict[str, Any]], path: Path) -> str:
         if points:
             ax.plot(*zip(*points, strict=True), style, label=label)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps are whole
     ax.set_ylabel("mean reward")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return f"wrote {path}"
+
+
+CUT_WARNING = 0.5  # a step whose model turns were cut at max_tokens more often than this is warned of
+
+
+def step_warnings(step: int, metrics: dict[str, float]) -> list[str]:
+    """Lines a user must see about a step: it trained on nothing, or most of its turns were cut."""
+    said = []
+    if metrics.get("train/samples") == 0:
+        said.append(
+            f"warning: step {step} trained on no samples: every group's rewards were alike (no advantage) "
+            "or every trajectory was excluded (see train/excluded/* in metrics.jsonl)"
+        )
+    cut = metrics.get("train/turns_cut_fraction", 0.0)
+    if cut > CUT_WARNING:
+        said.append(
+            f"warning: step {step}: {cut:.0%} of model turns were cut at max_tokens; "
+            "raise sampling.max_tokens or ask for shorter turns"
+        )
+    return said
 
 
 def held_out_summary(records: Sequence[dict[str, Any]]) -> str:

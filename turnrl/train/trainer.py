@@ -53,6 +53,7 @@ async def learn_from(run: Run, rollout: StepRollout, t0: float, cpu0: float) -> 
     every = _every_ranks(rollout.rolled, ranks)
     check_failures(every, cfg.rollout.fail_fraction, f"training step {run.step + 1}")
     metrics = rollout_metrics(every) | rollout.counts.metrics()
+    metrics["train/turns_cut_fraction"] = cut_fraction(every)
     # 2. advantages per model turn, then the training samples
     trajs = rollout.trainable
     advantages = compute_advantages(algo.advantage, trajs, algo.advantage_options())
@@ -79,6 +80,12 @@ async def learn_from(run: Run, rollout: StepRollout, t0: float, cpu0: float) -> 
     t3 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0}
     return metrics | cpu_metrics(time.process_time() - cpu0, t3 - t0)
+
+
+def cut_fraction(trajs: list[Trajectory]) -> float:
+    """The share of model turns that ended at max_tokens."""
+    turns = [turn for t in trajs for turn in t.turns if turn.role == "assistant"]
+    return sum(turn.finish_reason == "length" for turn in turns) / max(len(turns), 1)
 
 
 def _batches(run: Run, samples: list[TrainSample]) -> list[Batch]:

@@ -17,6 +17,7 @@ from turnrl.rollout.codec import strict_json, trajectory_to_json
 from turnrl.viewer.assets import PAGE_CSS, PAGE_JS, PAGE_TEMPLATE
 
 TRAJECTORIES = "trajectories.jsonl"
+ROLLOUTS = "rollouts"  # a training run's saved rollouts, one step_NNNNNN.jsonl per step (train.save_rollouts)
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"
 VIEW = "view.html"
@@ -48,14 +49,33 @@ def read_run(run_dir: Path) -> Run:
     if not path.is_file() and (run_dir / CALLS).is_file():  # a gateway's folder: its sessions' branches
         path = run_dir / CALLS
         trajectories = [{**trajectory_to_json(t), "line": k} for k, t in enumerate(read_branches(path), 1)]
+    elif not path.is_file() and _training_files(run_dir):  # a training run: saved rollouts, evaluations
+        trajectories = [
+            {**traj, "info": {**traj.get("info", {}), "split": split, "step": step}}
+            for split, step, file in _training_files(run_dir)
+            for traj in _read_jsonl(file)
+        ]
+        path = run_dir
     elif not path.is_file():
-        raise ViewerError(f"no {TRAJECTORIES} (nor a gateway's {CALLS}) in {run_dir}")
+        raise ViewerError(
+            f"no {TRAJECTORIES} in {run_dir} (nor a gateway's {CALLS}, nor a training run's "
+            f"{ROLLOUTS}/ or eval/)"
+        )
     else:
         trajectories = list(_read_jsonl(path))
     if not trajectories:
         raise ViewerError(f"{path} holds no trajectories")
     config_text = _read_text(run_dir / CONFIG)
     return Run(run_dir, trajectories, _read_summary(run_dir / SUMMARY), config_text, _model_of(config_text))
+
+
+def _training_files(run_dir: Path) -> list[tuple[str, str, Path]]:
+    """A training run's trajectory files: (split, step or name, path), saved rollouts then evaluations."""
+    rollouts = [
+        ("train", f.stem.removeprefix("step_"), f) for f in sorted((run_dir / ROLLOUTS).glob("step_*.jsonl"))
+    ]
+    evals = [("eval", f.stem.removeprefix("step_"), f) for f in sorted((run_dir / "eval").glob("*.jsonl"))]
+    return rollouts + evals
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
