@@ -128,19 +128,21 @@ async def test_a_user_played_by_a_second_embedded_model(qwen3_tokenizer: Any, sm
     from turnrl.env.tool_env import ToolEnv
 
     env = lambda s: ToolEnv(s, [], interactions={"customer": smollm2_user})  # noqa: E731
-    replies = ["Hello! How can I help you today?", "I am sorry to hear that. What is your order number?", "x"]
+    replies = ["Hello! How can I help you today?", "I am sorry to hear that. What is your order number?",
+               "Thank you: a refund for A-17 is on its way."]  # fmt: skip
     row = Sample(
         "c", [{"role": "user", "content": "Hi."}], metadata={"interaction_kwargs": {"order_id": "A-17"}}
     )
     before = dict(smollm2_user.stats)
     traj = await run_trajectory(row, spec(qwen3_tokenizer, replies, env, final_observation=True))
-    assert traj.stop_reason is StopReason.ENV_DONE and traj.num_turns == 2  # max_user_turns
+    # max_user_turns 2: the user writes two messages after the row's own, the agent answers each
+    assert traj.stop_reason is StopReason.ENV_DONE and traj.num_turns == 3
     users = [m["content"] for m in traj.messages if m["role"] == "user"][1:]
     assert len(users) == 2 and all(isinstance(u, str) and u for u in users)
-    assert smollm2_user.stats["calls"] - before["calls"] == 2
+    assert smollm2_user.stats["calls"] - before["calls"] == 2  # none generated to be thrown away
     assert smollm2_user.stats["completion_tokens"] > before["completion_tokens"]
-    assert [t.info["interaction_meta"]["user_turn"] for t in traj.turns if t.role == "assistant"] == [1, 2]
-    assert traj.turns[-1].role == "user"  # the last answer appended (limits.final_observation), masked
+    assert [t.info["interaction_meta"]["user_turn"] for t in traj.turns if t.role == "assistant"] == [1, 2, 2]
+    assert traj.turns[-1].role == "assistant"  # the agent's answer to the user's last message ends it
     assert traj.metrics["check/ok"] is True and traj.metrics["check/mismatches"] == 0
 
 
@@ -175,7 +177,8 @@ async def test_a_user_on_an_openai_compatible_chat_endpoint(qwen3_tokenizer: Any
         assert direct.text and direct.completion_tokens > 0
         env = lambda s: ToolEnv(s, [], interactions={"user": user})  # noqa: E731
         teach = Sample("o", [{"role": "user", "content": "Teach me."}])
-        traj = await run_trajectory(teach, spec(qwen3_tokenizer, ["What would you like to learn?"], env))
+        replies = ["What would you like to learn?", "Good question: let us start."]
+        traj = await run_trajectory(teach, spec(qwen3_tokenizer, replies, env))
         assert traj.stop_reason is StopReason.ENV_DONE and user.stats["calls"] == 1
         assert user.stats["completion_tokens"] > 0 and traj.metrics["check/ok"] is True
         # the same server as a token engine (turnrl's own openai kind, llama.cpp dialect) behind

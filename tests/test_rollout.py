@@ -331,3 +331,35 @@ async def test_inference_contexts_record_what_a_chat_server_would_render(qwen3_t
     assert traj.metrics["inference/rewritten_turns"] == 2
     plain = await run(spec_for(ScriptedEngine(qwen3_tokenizer, ["1", "2"]), qwen3_tokenizer, tool_env))
     assert all(t.context_ids is None for t in plain.turns)  # off by default
+
+
+class PenaltyEnv(EchoEnv):
+    """A per-turn penalty of 0.05: the fewer turns, the better; remembers what it was given."""
+
+    async def step(self, action: str) -> Any:
+        self.given = [*getattr(self, "given", []), action]
+        result = await super().step(action)
+        result.reward = -0.05
+        return result
+
+
+async def test_a_turn_cut_at_max_tokens_has_its_turn_reward(qwen3_tokenizer: Any) -> None:
+    """Off (default): the cut turn ends the trajectory unstepped with a 0.0 entry (one per model
+    turn); with ``limits.step_cut_turns`` the env is given the cut turn, so its penalty applies."""
+    envs: list[PenaltyEnv] = []
+
+    def make(sample: Sample) -> PenaltyEnv:
+        envs.append(PenaltyEnv(sample))
+        return envs[-1]
+
+    rambling = ScriptedReply(text="and so on " * 40, finish_reason="length")
+    for stepped, expected in ((False, [-0.05, 0.0]), (True, [-0.05, -0.05])):
+        engine = ScriptedEngine(qwen3_tokenizer, ["Short.", rambling])
+        traj = await run(spec_for(engine, qwen3_tokenizer, make, max_tokens=16, step_cut_turns=stepped))
+        assert traj.stop_reason == StopReason.LENGTH and traj.num_turns == 2
+        assert (
+            traj.turn_rewards == expected
+            and [t.reward for t in traj.turns if t.role == "assistant"] == expected
+        )
+        assert len(envs[-1].given) == (2 if stepped else 1)
+        assert_record_consistent(traj)

@@ -243,6 +243,11 @@ class Limits:
     final_observation: bool = False
     """Append the observation a step returns with done=True (env tokens, mask 0); off: it is dropped,
     and the last model turn's info says so (final_observation: dropped)."""
+    step_cut_turns: bool = False
+    """Give a model turn cut at max_tokens to the env's step too (its turn reward, info and per-turn
+    hook apply, so a per-turn penalty reaches a model that rambles until it is cut); the trajectory
+    still ends there, with ``length``. Off: the cut turn ends the trajectory unstepped and its
+    ``turn_rewards`` entry is 0.0."""
 
 
 CURRENT_TURN: ContextVar[TurnContext | None] = ContextVar("turnrl_current_turn", default=None)

@@ -10,7 +10,7 @@ In an interaction YAML::
           # base_url: http://127.0.0.1:8000/v1  (an OpenAI-compatible chat endpoint instead)
           persona: "You are a customer whose order {order_id} arrived broken. ..."
           stop_phrase: "###DONE###"          # the user ends the conversation by saying it
-          max_user_turns: 4
+          max_user_turns: 4                  # messages it writes after the row's opening one
           sampling: {temperature: 0.7, max_tokens: 96}
 
 The persona is formatted with the row's ``interaction_kwargs``. The user model sees the
@@ -53,9 +53,12 @@ class LLMUser:
     async def generate_response(
         self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
     ) -> tuple[bool, str, float, dict[str, Any]]:
-        """The user's next message; it ends the conversation by saying the stop phrase, or when
-        its turns are used up."""
+        """The user's next message; it ends the conversation by saying the stop phrase, or once it
+        has written ``max_user_turns`` messages (the row's opening message not counted): the agent
+        answers each of them, and no message is generated only to be thrown away."""
         self._turns[instance_id] = turns = self._turns.get(instance_id, 0) + 1
+        if turns > self.max_user_turns:
+            return True, "", 0.0, {"user_turn": turns - 1, "ended": "max_user_turns"}
         system = self.persona.format_map(Placeholders(kwargs))
         view: list[Message] = [{"role": "system", "content": system}, *_swapped(messages, self.parser)]
         reply = await self.model.chat(view)
@@ -63,7 +66,7 @@ class LLMUser:
         self.stats["prompt_tokens"] += reply.prompt_tokens
         self.stats["completion_tokens"] += reply.completion_tokens
         text = reply.text
-        done = self.stop_phrase in text or turns >= self.max_user_turns
+        done = self.stop_phrase in text
         text = text.replace(self.stop_phrase, "").strip() or "Thank you, goodbye."
         meta = {"user_turn": turns, "prompt_tokens": reply.prompt_tokens, "tokens": reply.completion_tokens}
         return done, text, 0.0, meta

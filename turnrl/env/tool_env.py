@@ -127,10 +127,13 @@ class ToolEnv(Env):
         conversation = [dict(m) for m in self._conversation]
         result = await user.generate_response(self.instance_id, conversation, **kwargs)
         terminate, text, score, meta = _interaction_reply(result, user.name)
+        stop = StopReason.ENV_DONE if terminate else None
+        if terminate and not text:  # the user ends without a message (its turns are used up)
+            info = {"interaction": user.name, "num_user_turns": 0, "interaction_meta": meta}
+            return StepResult(observation=None, reward=score, done=True, info=info, stop_reason=stop)
         message: Message = {"role": "user", "content": text}
         self._conversation.append(message)
         info = {"interaction": user.name, "num_user_turns": 1, "interaction_meta": meta}
-        stop = StopReason.ENV_DONE if terminate else None
         return StepResult(observation=[message], reward=score, done=terminate, info=info, stop_reason=stop)
 
     def format_observation(self, observation: Any) -> list[Message]:

@@ -49,12 +49,14 @@ async def model_turn(play: Play) -> Turn | None:
     text, ep.last_token_text = conv.assistant_text(gen.token_ids)
     turn = ep.record.add_model(gen, text, seconds, versions(gen, spec.control))
     turn.context_ids = context
-    if gen.finish_reason == "stop":
-        return turn
+    if gen.finish_reason == "stop" or (gen.finish_reason == "length" and spec.limits.step_cut_turns):
+        return turn  # a cut turn stepped by the env still ends the trajectory after its step (loop)
     ep.record.messages.append(assistant_message(text, None))
     if gen.finish_reason == "abort":
         ep.end(StopReason.ABORTED)
     else:
+        turn.reward = 0.0
+        ep.turn_rewards.append(0.0)  # one entry per model turn, cut ones included
         ep.end(StopReason.TOKEN_BUDGET if max_tokens < spec.sampling.max_tokens else StopReason.LENGTH)
     return None
 

@@ -76,6 +76,9 @@ async def _episode(play: Play) -> Trajectory:
         if result.done:
             env_turns.final_observation(play, result, turn)
             ep.end(result.stop_reason or StopReason.ENV_DONE)
+        elif turn.finish_reason == "length":  # a cut turn the env was given (limits.step_cut_turns)
+            cut_short = turn.end - turn.start < spec.sampling.max_tokens  # by the token budget left
+            ep.end(StopReason.TOKEN_BUDGET if cut_short else StopReason.LENGTH)
         elif ep.record.num_model_turns >= spec.limits.max_turns:
             ep.end(StopReason.MAX_TURNS)
         else:
