@@ -446,3 +446,23 @@ async def test_example_config_loads_and_its_env_starts(path: Path, monkeypatch: 
         if server is not None:
             server.terminate()
             server.wait(timeout=10)
+
+
+async def test_textarena_scores_a_game_lost_by_invalid_moves_as_lost() -> None:
+    """textarena pays a GuessTheNumber lost through invalid moves its percentage completion; a lost
+    game scores 0.0 unless ``partial_credit`` keeps textarena's value."""
+    [sample] = samples_of(TextArenaEnv.dataset(size=1))
+    for partial in (False, True):
+        env = TextArenaEnv(sample, partial_credit=partial)
+        await env.reset()
+        secret = env._game.state.game_state["game_number"]
+        near = secret + 1 if secret < 20 else secret - 1
+        result = await env.step(f"[{near}]")
+        for _ in range(6):  # the same guess again is an invalid move, until the game ends
+            if result.done:
+                break
+            result = await env.step(f"[{near}]")
+        assert result.done and result.info["invalid_move"] == 1 and result.info["textarena_reward"] > 0
+        assert result.reward == (result.info["textarena_reward"] if partial else 0.0)
+        assert await env.score(trajectory()) == result.reward
+        await env.close()

@@ -53,12 +53,16 @@ class TextArenaEnv(Env):
         env_kwargs: dict[str, Any] | None = None,
         system_prompt: str | None = None,
         echo_actions: bool = False,
+        partial_credit: bool = False,
     ) -> None:
         super().__init__(sample)
         self.env_id = str(sample.metadata.get("env_id", env_id))
         self.env_kwargs = dict(env_kwargs or {})  # override the registered game's kwargs (max_turns...)
         self.system_prompt = system_prompt
         self.echo_actions = echo_actions  # keep textarena's echo of the model's move in observations
+        # textarena pays a game lost by an invalid move its "percentage completion" (GuessTheNumber:
+        # up to ~0.9); a lost game scores 0.0 here unless partial_credit keeps textarena's value
+        self.partial_credit = partial_credit
         self.seed = int(sample.metadata.get("seed", zlib.crc32(sample.id.encode())))
         self.reward = 0.0
         self.game_info: dict[str, Any] = {}
@@ -107,11 +111,14 @@ class TextArenaEnv(Env):
     def _finish(self) -> StepResult:
         """Read textarena's result: the player's reward and the game's reason."""
         rewards, game_info = self._game.close()
-        self.reward = float((rewards or {}).get(PLAYER_ID, 0.0))
         self.game_info = dict((game_info or {}).get(PLAYER_ID, {}))
+        textarena_reward = float((rewards or {}).get(PLAYER_ID, 0.0))
+        lost = bool(self.game_info.get("invalid_move"))
+        self.reward = 0.0 if lost and not self.partial_credit else textarena_reward
         info = {
-            "invalid_move": int(bool(self.game_info.get("invalid_move"))),
+            "invalid_move": int(lost),
             "reason": self.game_info.get("reason"),
+            "textarena_reward": textarena_reward,
         }
         return StepResult(observation=None, reward=self.reward, done=True, info=info)
 
