@@ -88,3 +88,20 @@ def test_every_documented_turnrl_name_exists() -> None:
             elif cls in turnrl.__all__ and not has_attribute(getattr(turnrl, cls), attr):
                 missing.append(f"{page.name}: {cls}.{attr}")
     assert not missing, missing
+
+
+def test_every_config_key_has_its_doc_in_config_show() -> None:
+    """`turnrl config show --schema` gives every key of every config a doc line (a test walks the
+    schemas: rollout, train with its algorithm/optim/train/eval sections, gateway)."""
+    from turnrl.app.config_docs import field_docs
+    from turnrl.config import RunConfig
+    from turnrl.gateway.config import GatewayConfig
+    from turnrl.train.config import TrainConfig
+
+    undocumented = [
+        f"{cls.__name__}: {doc.key}"
+        for cls in (RunConfig, TrainConfig, GatewayConfig)
+        for doc in field_docs(cls)
+        if not doc.doc.strip()
+    ]
+    assert not undocumented, undocumented

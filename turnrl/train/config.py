@@ -25,10 +25,14 @@ Tracker = Literal["none", "tensorboard", "wandb", "trackio", "mlflow"]
 class OverlongConfig(_Strict):
     """DAPO's overlong reward shaping and filtering (see ``turnrl.train.shaping``)."""
 
-    max_tokens: int = Field(ge=1)  # a trajectory's model tokens (every turn) at which the penalty is full
-    buffer: int = Field(0, ge=0)  # the penalty ramps up over the last this many tokens (0: a step)
-    penalty: float = Field(1.0, ge=0)  # the full penalty, subtracted from the reward
-    mask_truncated: bool = False  # a trajectory cut by a length limit carries no loss
+    max_tokens: int = Field(ge=1)
+    """A trajectory's model tokens (every turn) at which the penalty is full."""
+    buffer: int = Field(0, ge=0)
+    """The penalty ramps up over the last this many tokens (0: a step)."""
+    penalty: float = Field(1.0, ge=0)
+    """The full penalty, subtracted from the reward."""
+    mask_truncated: bool = False
+    """A trajectory cut by a length limit carries no loss."""
 
     @model_validator(mode="after")
     def _buffer_fits(self) -> OverlongConfig:
@@ -41,35 +45,54 @@ class DynamicSamplingConfig(_Strict):
     """DAPO's dynamic sampling: groups with all-equal rewards are dropped and more prompts rolled
     out until the step has ``prompts_per_step`` varied groups (see ``turnrl.train.shaping``)."""
 
-    max_rounds: int = Field(3, ge=1)  # rollout rounds per step at most (the first included)
+    max_rounds: int = Field(3, ge=1)
+    """Rollout rounds per step at most (the first included)."""
 
 
 class AlgorithmConfig(_Strict):
     """What is learned from a batch: advantages, samples, loss."""
 
-    advantage: str = "grpo"  # a name in turnrl.train.advantages.ESTIMATORS: grpo, rloo, reward_to_go
-    normalize_std: bool = True  # grpo / reward_to_go: divide by the group's std
-    gamma: float = Field(1.0, ge=0, le=1)  # reward_to_go: discount over later turns
-    # turn: one sample per model turn on its exact context (step-wise); inference: one per model turn
-    # on the context the chat template renders at inference time (past reasoning dropped, etc.)
+    advantage: str = "grpo"
+    """A name in turnrl.train.advantages.ESTIMATORS: grpo, rloo, reward_to_go."""
+    normalize_std: bool = True
+    """grpo and reward_to_go: divide by the group's std."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """reward_to_go: the discount over later turns."""
     samples: Literal["trajectory", "turn", "inference"] = "trajectory"
-    loss_turns: Literal["all", "last"] = "all"  # last: train only each trajectory's last model turn
-    loss: str = "ppo"  # a name in turnrl.train.loss.POLICY_LOSSES: ppo, pg, cispo
+    """trajectory: one sample per trajectory; turn: one sample per model turn on its exact context (step-
+    wise); inference: one per model turn on the context the chat template renders at inference time
+    (past reasoning dropped, etc.)."""
+    loss_turns: Literal["all", "last"] = "all"
+    """all: train every model turn; last: train only each trajectory's last model turn."""
+    loss: str = "ppo"
+    """A name in turnrl.train.loss.POLICY_LOSSES: ppo, pg, cispo."""
     clip_low: float = Field(0.2, ge=0, le=1)
+    """PPO's lower clip: the ratio is kept above 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0)
-    importance: Literal["none", "tis", "mis"] = "tis"  # rollout correction against the engine's logprobs
+    """PPO's upper clip: the ratio is kept below 1 + clip_high (DAPO's clip-higher: raise it)."""
+    importance: Literal["none", "tis", "mis"] = "tis"
+    """Rollout correction against the engine's logprobs: none, tis (truncated weights) or mis (masked)."""
     tis_cap: float = Field(2.0, gt=0)
+    """importance tis: the truncated importance weight's cap."""
     mis_low: float = Field(0.5, ge=0)
+    """importance mis: tokens whose importance ratio is below this are masked."""
     mis_high: float = Field(2.0, gt=0)
-    kl_coef: float = Field(0.0, ge=0)  # > 0 loads a frozen reference model
-    recompute_old_logprobs: bool = True  # else the rollout's logprobs are the PPO behaviour policy
-    max_staleness: int = Field(0, ge=0)  # train on tokens sampled up to this many weight versions back
-    # tokens of a turn that a weight update split (partial rollout, overlapped training) sampled by the
-    # older weights: kept and corrected by the importance weights, or masked (no loss)
+    """importance mis: tokens whose importance ratio is above this are masked."""
+    kl_coef: float = Field(0.0, ge=0)
+    """The KL penalty's weight; above 0 a frozen reference model is loaded."""
+    recompute_old_logprobs: bool = True
+    """Recompute the behaviour policy's logprobs before the update; false: the rollout's own."""
+    max_staleness: int = Field(0, ge=0)
+    """Train on tokens sampled up to this many weight versions back."""
     offpolicy_tokens: Literal["correct", "mask"] = "correct"
-    train_on_failures: bool = False  # train on trajectories an engine, env or internal error ended
-    overlong: OverlongConfig | None = None  # DAPO's overlong shaping and filtering (None: off)
-    dynamic_sampling: DynamicSamplingConfig | None = None  # DAPO's dynamic sampling (None: off)
+    """Tokens of a turn that a weight update split (partial rollout, overlapped training) sampled by the older
+    weights: kept and corrected by the importance weights, or masked (no loss)."""
+    train_on_failures: bool = False
+    """Train on trajectories an engine, env or internal error ended."""
+    overlong: OverlongConfig | None = None
+    """DAPO's overlong shaping and filtering (None: off)."""
+    dynamic_sampling: DynamicSamplingConfig | None = None
+    """DAPO's dynamic sampling (None: off)."""
 
     @field_validator("advantage")
     @classmethod
@@ -105,24 +128,35 @@ class AlgorithmConfig(_Strict):
 class LoraSettings(_Strict):
     """LoRA adapters (peft) instead of full-parameter training."""
 
-    r: int = Field(8, ge=1)  # rank
-    alpha: int = Field(16, ge=1)  # scale = alpha / r
+    r: int = Field(8, ge=1)
+    """The adapters' rank."""
+    alpha: int = Field(16, ge=1)
+    """The adapters' scale is alpha / r."""
     dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters."""
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    """The modules that get adapters."""
 
 
 class OptimConfig(_Strict):
     """AdamW with linear warm-up, then a constant rate."""
 
     lr: float = Field(1e-6, gt=0)
+    """The learning rate."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0)  # max global grad norm
-    warmup_steps: int = Field(0, ge=0)  # optimizer steps
-    trainable: list[str] = Field(default_factory=list)  # regexes of parameter names to train (empty: all)
-    lora: LoraSettings | None = None  # train LoRA adapters only (needs peft); exclusive with trainable
+    """AdamW's betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global grad norm."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up."""
+    trainable: list[str] = Field(default_factory=list)
+    """Regexes of parameter names to train (empty: all)."""
+    lora: LoraSettings | None = None
+    """Train LoRA adapters only (needs peft); exclusive with trainable."""
 
     @model_validator(mode="after")
     def _one_way_to_choose(self) -> OptimConfig:
@@ -134,54 +168,72 @@ class OptimConfig(_Strict):
 class TrainLoopConfig(_Strict):
     """How long, how much per step, and what to write."""
 
-    steps: int = Field(10, ge=1)  # training steps (one rollout batch each)
-    prompts_per_step: int = Field(8, ge=1)  # groups per step
-    ppo_epochs: int = Field(1, ge=1)  # passes over each batch
-    mini_batches: int = Field(1, ge=1)  # optimizer steps per pass (at most one per micro-batch)
-    micro_batch_tokens: int = Field(4096, ge=1)  # tokens per forward/backward (padding included)
-    # samples end to end in one row, no padding (text models; images always go in padded rows);
-    # auto: where the attention kernel takes variable lengths (flash attention), else padded rows
+    steps: int = Field(10, ge=1)
+    """Training steps (one rollout batch each)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Groups per step."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass (at most one per micro-batch)."""
+    micro_batch_tokens: int = Field(4096, ge=1)
+    """Tokens per forward/backward (padding included)."""
     pack: bool | Literal["auto"] = "auto"
-    # padded rows that begin with the same at least this many tokens (a GRPO group's prompt) share a
-    # micro-batch, and the model runs that prefix once for all of them (0: every row runs its own)
+    """Samples end to end in one row, no padding (text models; images always go in padded rows); auto: where
+    the attention kernel takes variable lengths (flash attention), else padded rows."""
     share_prefix_tokens: int = Field(32, ge=0)
-    logprob_chunk: int = Field(256, ge=1)  # positions projected through lm_head at a time
-    # MiB of a micro-batch's vocabulary probabilities kept from the forward pass, so the backward
-    # does not recompute them (0: recompute every chunk; the bound is then one chunk)
+    """Padded rows that begin with the same at least this many tokens (a GRPO group's prompt) share a micro-
+    batch, and the model runs that prefix once for all of them (0: every row runs its own)."""
+    logprob_chunk: int = Field(256, ge=1)
+    """Positions projected through lm_head at a time."""
     logprob_keep_mib: float = Field(512.0, ge=0)
-    # bfloat16: the policy's forward and backward under bfloat16 autocast (mixed precision: weights,
-    # optimizer state and the vocabulary projection stay float32)
+    """MiB of a micro-batch's vocabulary probabilities kept from the forward pass, so the backward does not
+    recompute them (0: recompute every chunk; the bound is then one chunk)."""
     precision: Literal["float32", "bfloat16"] = "float32"
-    save_every: int = Field(10, ge=0)  # steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = Field(2, ge=1)  # the newest this many are kept
-    save_optimizer: bool = (
-        True  # false: no AdamW moments in checkpoints (a third the size; a resume restarts them)
-    )
-    save_rollouts: bool = False  # write every step's trajectories to rollouts/step_K.jsonl
-    overlap: bool = False  # roll out ahead while the trainer steps (needs algorithm.max_staleness >= 1)
-    max_inflight_groups: int | None = Field(None, ge=1)  # overlap: groups in flight (None: staleness steps)
-    # synchronous: roll out this many groups more than prompts_per_step and stop the slowest once
-    # prompts_per_step are complete (their trajectories end as aborted and are not trained on)
+    """bfloat16: the policy's forward and backward under bfloat16 autocast (mixed precision:
+    weights, optimizer state and the vocabulary projection stay float32)."""
+    save_every: int = Field(10, ge=0)
+    """Steps between checkpoints (0: only at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """The newest this many are kept."""
+    save_optimizer: bool = True
+    """Keep AdamW's moments in checkpoints; false: none (a third the size; a resume restarts them)."""
+    save_rollouts: bool = False
+    """Write every step's trajectories to rollouts/step_K.jsonl."""
+    overlap: bool = False
+    """Roll out ahead while the trainer steps (needs algorithm.max_staleness >= 1)."""
+    max_inflight_groups: int | None = Field(None, ge=1)
+    """With overlap: groups in flight at most (None: max_staleness steps' worth)."""
     oversample_groups: int = Field(0, ge=0)
-    # under torchrun: shard the policy, its gradients and AdamW moments across the ranks (FSDP2);
-    # false: every rank holds the whole policy (data-parallel, gradients all-reduced)
+    """Without overlap: roll out this many groups more than prompts_per_step and stop the slowest once
+    prompts_per_step are complete (their trajectories end as aborted and are not trained on)."""
     fsdp: bool = False
-    # where the policy trains (under torchrun, cuda becomes cuda:LOCAL_RANK); None: the embedded
-    # engine's device, or with vLLM servers cuda when torch sees a GPU, else cpu
+    """Under torchrun: shard the policy, its gradients and AdamW moments across the ranks (FSDP2);
+    false: every rank holds the whole policy (data-parallel, gradients all-reduced)."""
     device: str | None = None
-    tracker: Tracker = "none"  # also log to this tracker (it must be installed)
-    plot: bool = True  # reward curve PNG at the end (needs matplotlib)
+    """Where the policy trains (under torchrun, cuda becomes cuda:LOCAL_RANK); None: the embedded engine's
+    device, or with vLLM servers cuda when torch sees a GPU, else cpu."""
+    tracker: Tracker = "none"
+    """Also log to this tracker (it must be installed)."""
+    plot: bool = True
+    """Reward curve PNG at the end (needs matplotlib)."""
 
 
 class EvalConfig(_Strict):
     """Held-out evaluation: a fixed prompt set, at the start, every ``every`` steps, and at the end."""
 
-    data: DataConfig | None = None  # None: no evaluation
-    every: int = Field(5, ge=0)  # 0: only at the start and the end
-    group_size: int = Field(1, ge=1)  # trajectories per prompt (pass@k needs k of them)
-    temperature: float = Field(0.0, ge=0)  # 0: greedy (the same seeds at every evaluation)
-    k: list[int] = Field(default_factory=lambda: [1])  # pass@k for each k up to group_size
-    pass_reward: float = 1.0  # a trajectory passes when its reward is at least this
+    data: DataConfig | None = None
+    """The held-out prompts (None: no evaluation)."""
+    every: int = Field(5, ge=0)
+    """Steps between evaluations (0: only at the start and the end)."""
+    group_size: int = Field(1, ge=1)
+    """Trajectories per prompt (pass@k needs k of them)."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature (0: greedy; the same seeds at every evaluation)."""
+    k: list[int] = Field(default_factory=lambda: [1])
+    """pass@k is reported for each k (each at most group_size)."""
+    pass_reward: float = 1.0
+    """A trajectory passes when its reward is at least this."""
 
     @field_validator("k")
     @classmethod
@@ -203,11 +255,16 @@ class EvalConfig(_Strict):
 class WarmStartConfig(_Strict):
     """Optional supervised warm-start before RL: demonstrations replayed through the env (see ``sft``)."""
 
-    demos: str  # "module:function": sample -> the assistant texts of a demonstrated episode
-    data: DataConfig = Field(default_factory=DataConfig)  # the demonstrated prompts
+    demos: str
+    """A "module:function": sample -> the assistant texts of a demonstrated episode."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """The demonstrated prompts."""
     epochs: int = Field(1, ge=1)
+    """Passes over the demonstrations."""
     batch_size: int = Field(8, ge=1)
+    """Demonstrated episodes per optimizer step."""
     lr: float = Field(1e-5, gt=0)
+    """The learning rate."""
 
 
 class TrainConfig(RunSections):
