@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -220,3 +221,59 @@ def test_set_switches_an_engine_kind_as_a_user_types_it() -> None:
     assert isinstance(switched.engine, HFEngineConfig)
     assert (switched.engine.dtype, switched.engine.max_batch_size) == ("float32", 3)
     assert load_config(example, ["engine.kind=scripted"]).engine.kind == "scripted"  # same kind: kept
+
+
+def test_validate_checks_a_run_against_the_documented_record(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    config = write_config(tmp_path, str(tiny_qwen3_dir))
+    assert turnrl("rollout", str(config), cwd=tmp_path).returncode == 0
+    run = tmp_path / "run"
+    result = turnrl("validate", str(run), cwd=tmp_path)
+    assert result.returncode == 0 and "6 trajectories, all valid" in result.stdout + result.stderr
+    lines = (run / "trajectories.jsonl").read_text().splitlines()
+    broken = json.loads(lines[1])
+    broken["loss_mask"].pop()  # one mask entry short: the first violation, on line 2
+    (run / "trajectories.jsonl").write_text("\n".join([lines[0], json.dumps(broken), *lines[2:]]) + "\n")
+    result = turnrl("validate", str(run), cwd=tmp_path)
+    said = result.stdout + result.stderr
+    assert result.returncode == 1 and f"trajectories.jsonl:2 (id {broken['id']})" in said
+    assert "loss_mask has" in said and said.count("\n") == 1
+
+
+def test_validate_names_each_kind_of_violation() -> None:
+    from turnrl.rollout.validate import Invalid, check_record
+
+    good = {
+        "schema_version": 4, "id": "s/0", "group_id": "s", "data_source": "d", "stop_reason": "env_done",
+        "prompt_ids": [1, 2], "response_ids": [5, 6, 7], "loss_mask": [1, 1, 0],
+        "rollout_logprobs": [-0.1, -0.2, 0.0], "policy_versions": [0, 0, -1],
+        "turns": [{"role": "assistant", "start": 0, "end": 2}, {"role": "tool", "start": 2, "end": 3}],
+        "messages": [{"role": "user", "content": [{"type": "image", "image_index": 0}]}],
+        "images": ["data:image/png;base64,AAAA"], "reward": 1.0, "turn_rewards": [0.0], "num_turns": 1,
+        "metrics": {},
+    }  # fmt: skip
+    check_record(good)
+    cases = {
+        "schema_version must be the first key": {"id": "x", **good},
+        "newer than this turnrl reads": {**good, "schema_version": 99},
+        "stop_reason 'won'": {**good, "stop_reason": "won"},
+        "rollout_logprobs[2] is -0.3, expected 0.0": {**good, "rollout_logprobs": [-0.1, -0.2, -0.3]},
+        "policy_versions has 2 entries": {**good, "policy_versions": [0, 0]},
+        "env tokens are never trained": {
+            **good,
+            "loss_mask": [1, 1, 1],
+            "rollout_logprobs": [-0.1, -0.2, -0.3],
+        },
+        "turns[1] spans [1, 3)": {
+            **good,
+            "turns": [good["turns"][0], {"role": "tool", "start": 1, "end": 3}],
+        },
+        "num_turns is 2": {**good, "num_turns": 2},
+        "points at image 1": {
+            **good,
+            "messages": [{"role": "user", "content": [{"type": "image", "image_index": 1}]}],
+        },
+        "response_ids holds -5": {**good, "response_ids": [5, -5, 7]},
+    }
+    for said, record in cases.items():
+        with pytest.raises(Invalid, match=re.escape(said)):
+            check_record(record)

@@ -165,6 +165,18 @@ def _view(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.rollout.validate import Invalid, validate_run
+
+    try:
+        count = validate_run(Path(args.run_dir))
+    except Invalid as exc:
+        console.print(f"invalid: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 1
+    console.print(f"{count} trajectories, all valid (schema as in docs/trajectories.md)")
+    return 0
+
+
 def _config(args: argparse.Namespace, console: Console) -> int:
     import yaml
     from pydantic import BaseModel
@@ -232,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 instead")
     view.add_argument("--port", type=int, default=0, help="port for --serve (default: any free port)")
     view.set_defaults(func=_view)
+    check = sub.add_parser("validate", help="check a run's trajectories against the documented record")
+    check.add_argument(
+        "run_dir",
+        help="a run's folder (trajectories.jsonl, or a training run's rollouts/ and eval/) or a file",
+    )
+    check.set_defaults(func=_validate)
     demo = sub.add_parser(
         "demo-model", help="build smollm2-135m-play: SmolLM2 warm-started on the example envs (offline)"
     )
