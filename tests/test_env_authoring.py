@@ -218,3 +218,40 @@ def test_routes_cannot_go_to_ray_workers() -> None:
     )
     with pytest.raises(RunError, match=r"env\.routes runs envs in this process"):
         build_env_factory(config)
+
+
+class RiddleEnv(Env):
+    """Builds its prompt in reset() from the row's fields: its rows need no 'prompt'."""
+
+    async def reset(self) -> list[dict[str, Any]]:
+        return [
+            {"role": "user", "content": f"What is {self.sample.metadata['a']} + {self.sample.metadata['b']}?"}
+        ]
+
+    async def step(self, action: str) -> StepResult:
+        right = str(self.sample.metadata["a"] + self.sample.metadata["b"]) in action
+        return StepResult(None, 1.0 if right else 0.0, True)
+
+
+async def test_an_env_that_builds_its_prompt_needs_no_prompt_column(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": "r0", "a": 2, "b": 3}\n{"id": "r1", "a": 4, "b": 4}\n')
+    samples = load_samples(DataConfig(path=str(rows)), resolve_env("test_env_authoring:RiddleEnv"))
+    assert [s.prompt for s in samples] == [[], []]
+    spec = RolloutSpec(
+        env_factory=RiddleEnv,
+        engine=ScriptedEngine(qwen3_tokenizer, ["5", "9"]),
+        encoder=ChatEncoder(qwen3_tokenizer),
+        sampling=SamplingParams(max_tokens=8),
+        limits=Limits(max_turns=1),
+    )
+    trajs = await collect(samples, spec)
+    assert sorted(t.reward for t in trajs) == [0.0, 1.0] and all(
+        t.stop_reason == StopReason.ENV_DONE for t in trajs
+    )
+    assert trajs[0].messages[0]["content"].startswith("What is")
+    # an env that starts from the row's prompt still says, before any work, that a row has none
+    with pytest.raises(DataError, match=r"data row 0 of .* has no 'prompt'"):
+        load_samples(DataConfig(path=str(rows)), resolve_env("turnrl.testing:EchoEnv"))

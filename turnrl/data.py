@@ -16,24 +16,31 @@ class DataError(ValueError):
     """A data row or file that cannot become a sample; the message names it."""
 
 
-def _prompt(row: dict[str, Any], where: str) -> list[Message]:
+def _prompt(row: dict[str, Any], where: str, required: bool) -> list[Message]:
     prompt = row.get("prompt")
+    if (prompt is None or prompt == "" or prompt == []) and required:
+        raise DataError(
+            f"{where} has no 'prompt' (the env starts from it; an env whose reset() builds one needs none)"
+        )
     if prompt is None or prompt == "" or prompt == []:
-        raise DataError(f"{where} has no 'prompt'")
-    if isinstance(prompt, str):
-        messages: list[Message] = [{"role": "user", "content": prompt}]
+        messages: list[Message] = []  # the env's reset() builds the prompt
+    elif isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
         messages = [cast(Message, dict(m)) for m in prompt]
     else:
         raise DataError(f"{where}: 'prompt' must be a string or a list of chat messages")
-    if row.get("system") and messages[0]["role"] != "system":
+    if row.get("system") and (not messages or messages[0]["role"] != "system"):
         messages.insert(0, {"role": "system", "content": row["system"]})
     return messages
 
 
-def sample_from_row(row: dict[str, Any], index: int, source: str = "data") -> Sample:
-    """One row (``prompt`` required; ``id``, ``data_source``, ``tools``, ``tools_kwargs`` optional;
-    every other field lands in ``metadata``)."""
+def sample_from_row(
+    row: dict[str, Any], index: int, source: str = "data", prompt_required: bool = True
+) -> Sample:
+    """One row (``prompt``, ``id``, ``data_source``, ``tools``, ``tools_kwargs`` optional: an env
+    whose ``reset()`` builds the prompt needs no ``prompt`` column; every other field lands in
+    ``metadata``)."""
     where = f"data row {index} of {source}"
     if not isinstance(row, dict):
         raise DataError(f"{where} is not a mapping")
@@ -43,7 +50,7 @@ def sample_from_row(row: dict[str, Any], index: int, source: str = "data") -> Sa
     tools_kwargs = row.get("tools_kwargs") or (extra.get("tools_kwargs") if isinstance(extra, dict) else None)
     return Sample(
         id=str(row.get("id", index)),
-        prompt=_prompt(row, where),
+        prompt=_prompt(row, where, prompt_required),
         data_source=str(row.get("data_source", "default")),
         tools=row.get("tools"),
         tools_kwargs=dict(tools_kwargs or {}),
@@ -86,13 +93,16 @@ def read_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
     return out
 
 
-def to_samples(rows: Iterable[dict[str, Any]], source: str, limit: int | None = None) -> list[Sample]:
-    """Validate every row up front, so a bad row fails before any work starts."""
+def to_samples(
+    rows: Iterable[dict[str, Any]], source: str, limit: int | None = None, prompt_required: bool = True
+) -> list[Sample]:
+    """Validate every row up front, so a bad row fails before any work starts (``prompt_required``
+    false: an env that builds its own prompt, so rows may have none)."""
     samples = []
     for i, row in enumerate(rows):
         if limit is not None and i >= limit:
             break
-        samples.append(sample_from_row(row, i, source))
+        samples.append(sample_from_row(row, i, source, prompt_required))
     if not samples:
         raise DataError(f"{source} gave no samples")
     ids = [s.id for s in samples]

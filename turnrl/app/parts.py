@@ -23,15 +23,23 @@ class RunError(ValueError):
 
 
 def load_samples(data: DataConfig, entry: EnvEntry) -> list[Sample]:
-    """Samples from a file, a generator, or the env's own data."""
+    """Samples from a file, a generator, or the env's own data. Rows need a ``prompt`` unless the
+    env is a class whose ``reset()`` builds one (or a factory turnrl cannot see into; its reset is
+    checked when it runs)."""
+    required = builds_no_prompt(entry.factory)
     if data.path:
-        return to_samples(read_rows(data.path, data.split), data.path, data.limit)
+        return to_samples(read_rows(data.path, data.split), data.path, data.limit, required)
     if data.generator:
         generator = import_object(data.generator, "data generator")
-        return to_samples(_generated(generator, data), data.generator, data.limit)
+        return to_samples(_generated(generator, data), data.generator, data.limit, required)
     if entry.dataset is None:
         raise RunError("no data: set data.path or data.generator (this env has no data of its own)")
-    return to_samples(entry.dataset(**data.kwargs), "the env's data", data.limit)
+    return to_samples(entry.dataset(**data.kwargs), "the env's data", data.limit, required)
+
+
+def builds_no_prompt(factory: Any) -> bool:
+    """Whether an env class starts from the row's prompt (it keeps ``Env.reset``)."""
+    return isinstance(factory, type) and issubclass(factory, Env) and factory.reset is Env.reset
 
 
 def _generated(generator: Any, data: DataConfig) -> Iterator[dict[str, Any]]:

@@ -43,6 +43,8 @@ def prompt_messages(value: Any) -> list[Message]:
     """``value`` if it is a list of messages; BadReturn otherwise."""
     if not isinstance(value, list | tuple) or not all(isinstance(m, dict) for m in value):
         raise BadReturn(f"reset returned {type(value).__name__}, expected a list of messages")
+    if not value:
+        raise BadReturn("reset returned no messages: give the data rows a 'prompt', or build it in reset()")
     for m in value:
         if not isinstance(m.get("content"), str | list | None):
             kind = type(m.get("content")).__name__
