@@ -114,7 +114,9 @@ async def build_run(tokenizer: Any, run: Path, model: str) -> Path:
     await rollout(tokenizer, out, forever, ["one", "two"], EchoEnv, max_turns=2)
     await rollout(tokenizer, out, [Sample("story-3", [{"role": "user", "content": "Hey"}])], ["x"], echo)
     with_image(out, "story-0/0")
-    (run / "summary.json").write_text(json.dumps({"trajectories": 5, "stop_reasons": {"env_done": 3}}))
+    summary = {"trajectories": 5, "reward/mean": 0.4, "stop_reasons": {"env_done": 3},
+               "time/turn_seconds": {"generate": {"p99": 0.2}}, "tokens/model_mean": 12.5}  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
     (run / "config.yaml").write_text(yaml.safe_dump({"model": model, "output_dir": str(run)}))
     return run
 
@@ -439,6 +441,12 @@ def test_viewer_in_chromium(run_dir: Path, qwen3_tokenizer: Any, browser: Chromi
     browser.open(page.as_uri())
     assert browser.count(".traj-row") == 5 and browser.text("#count") == "5 of 5 trajectories"
     assert "trajectories5" in browser.text("#summary").replace(" ", "").replace("\n", "")
+    # the first screen: reward, stop reasons, turns, errors; timings and the rest folded behind a click
+    first = browser.text("#summary")
+    assert "reward/mean" in first and "stop_reasons" in first and "time/" not in first
+    assert browser.js("document.querySelector('#more-metrics').open") is False
+    assert "more metrics" in browser.text("#more-metrics summary")
+    assert "time/turn_seconds" in browser.js("document.querySelector('#more-metrics').textContent")
     # filters narrow the list, and widen it again
     browser.choose("#f-stop", "max_turns")
     assert browser.count(".traj-row") == 1 and browser.text("#count").startswith("1 of 5")

@@ -239,15 +239,22 @@ function renderHeader() {
     top.append(h("details", {}, h("summary", { text: "config.yaml" }), h("pre", { text: DATA.config })));
   }
   if (!TOKENS) top.append(h("span", { class: "badge warn", text: "no tokenizer: per-turn view" }));
+  // first what a reader looks for: how many, reward, stop reasons, turns, errors; the rest folded
   const chips = h("div", { class: "chips", id: "summary" });
+  const more = h("div", { class: "chips" });
+  const FIRST = /^(trajectories|failed|reward\/(mean|std)|stop_reasons|turns\/mean|errors|error|check\/mismatched)/;
   if (DATA.summary) {
     for (const [key, value] of flatten(DATA.summary, "", [])) {
-      chips.append(h("span", { class: "chip" }, key, h("b", { text: fmt(value) })));
+      (FIRST.test(key) ? chips : more).append(h("span", { class: "chip" }, key, h("b", { text: fmt(value) })));
     }
   } else {
     chips.append(h("span", { class: "chip", text: "no summary.json" }));
   }
   top.append(chips);
+  if (more.childElementCount) {
+    const label = more.childElementCount + " more metrics";
+    top.append(h("details", { id: "more-metrics" }, h("summary", { text: label }), more));
+  }
 }
 
 /* ---------- filters and the list ---------- */
