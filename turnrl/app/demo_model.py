@@ -122,10 +122,13 @@ def _write(out: Path, say: Callable[[str], None]) -> None:
     steps = RECIPE.epochs * -(-len(trajs) // RECIPE.batch_size)
     done = [0]
 
-    def step() -> None:
+    started = time.perf_counter()
+
+    def step() -> None:  # every step is said (a few seconds each), with the time left
         done[0] += 1
-        if done[0] % 10 == 0 or done[0] == steps:
-            say(f"demo model: SFT step {done[0]}/{steps} ({time.perf_counter() - t0:.0f} s)")
+        now = time.perf_counter()
+        left = (now - started) / done[0] * (steps - done[0])
+        say(f"demo model: SFT step {done[0]}/{steps} ({now - t0:.0f} s, about {left:.0f} s left)")
 
     losses = sft_epochs(
         model,
