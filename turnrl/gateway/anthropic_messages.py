@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from turnrl.gateway.call import ApiError, ChatRequest, Completed
-from turnrl.gateway.openai_chat import positive, unsupported
+from turnrl.gateway.openai_chat import checked_body, positive
 
 KNOWN = {
     "model", "messages", "system", "max_tokens", "tools", "tool_choice", "stop_sequences", "stream",
@@ -37,12 +37,8 @@ def error_body(error: ApiError) -> dict[str, Any]:
 
 def read_request(body: Any) -> ChatRequest:
     """Validate a Messages request; ``ApiError`` (400) names the first problem."""
-    if not isinstance(body, Mapping):
-        raise ApiError(400, "the request body must be a JSON object")
-    unsupported(body, KNOWN)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages: must be a non-empty list", param="messages")
+    body = checked_body(body, KNOWN, "messages")
+    messages = body["messages"]
     if body.get("max_tokens") is None:
         raise ApiError(400, "max_tokens: field required", param="max_tokens")
     limit = positive(body["max_tokens"], "max_tokens")

@@ -25,13 +25,20 @@ def error_body(error: ApiError) -> dict[str, Any]:
     return {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": error.code}}
 
 
-def unsupported(body: Mapping[str, Any], known: set[str]) -> None:
-    """Refuse the first field the gateway does not know (400, naming it)."""
+def checked_body(body: Any, known: set[str], listed: str) -> Mapping[str, Any]:
+    """``body`` as a JSON object of fields the gateway knows, whose ``listed`` field is a non-empty
+    list (or text, for the Responses API's ``input``); ``ApiError`` (400) names the first problem."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(
             400, f"unsupported parameter: {unknown[0]!r}", param=unknown[0], code="unsupported_parameter"
         )
+    value = body.get(listed)
+    if not (isinstance(value, list) and value) and not (listed == "input" and isinstance(value, str)):
+        raise ApiError(400, f"'{listed}' must be a non-empty list", param=listed)
+    return body
 
 
 def positive(value: Any, name: str) -> int | None:
@@ -43,12 +50,8 @@ def positive(value: Any, name: str) -> int | None:
 
 def read_request(body: Any) -> ChatRequest:
     """Validate a request body; ``ApiError`` (400) names the first problem."""
-    if not isinstance(body, Mapping):
-        raise ApiError(400, "the request body must be a JSON object")
-    unsupported(body, KNOWN)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    body = checked_body(body, KNOWN, "messages")
+    messages = body["messages"]
     n = positive(body.get("n"), "n") or 1
     if n > MAX_N:
         raise ApiError(400, f"n is {n}; at most {MAX_N} samples per request", param="n")

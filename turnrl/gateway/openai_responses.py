@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from turnrl.gateway.call import ApiError, ChatRequest, Completed
-from turnrl.gateway.openai_chat import positive, unsupported
+from turnrl.gateway.openai_chat import checked_body, positive
 
 KNOWN = {
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
@@ -32,14 +32,10 @@ call them. ``/metrics`` counts them by type."""
 
 def read_request(body: Any, history: list[dict[str, Any]] | None = None) -> ChatRequest:
     """Validate a Responses request (``history``: the messages of its ``previous_response_id``)."""
-    if not isinstance(body, Mapping):
-        raise ApiError(400, "the request body must be a JSON object")
-    unsupported(body, KNOWN)
-    items = body.get("input")
+    body = checked_body(body, KNOWN, "input")
+    items = body["input"]
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise ApiError(400, "'input' must be text or a non-empty list of items", param="input")
     messages = list(history or [])
     if body.get("instructions") and not history:
         messages.append({"role": "system", "content": str(body["instructions"])})
