@@ -242,10 +242,11 @@ function renderHeader() {
   // first what a reader looks for: how many, reward, stop reasons, turns, errors; the rest folded
   const chips = h("div", { class: "chips", id: "summary" });
   const more = h("div", { class: "chips" });
-  const FIRST = /^(trajectories|failed|reward\/(mean|std)|stop_reasons|turns\/mean|errors|error|check\/mismatched)/;
+  const FIRST = /^(trajectories|failed|reward\/(mean|std)|stop_reasons|turns\/mean|errors?|check\/mism)/;
   if (DATA.summary) {
     for (const [key, value] of flatten(DATA.summary, "", [])) {
-      (FIRST.test(key) ? chips : more).append(h("span", { class: "chip" }, key, h("b", { text: fmt(value) })));
+      const chip = h("span", { class: "chip" }, key, h("b", { text: fmt(value) }));
+      (FIRST.test(key) ? chips : more).append(chip);
     }
   } else {
     chips.append(h("span", { class: "chip", text: "no summary.json" }));
