@@ -38,10 +38,20 @@ def run_files(run: Path) -> list[Path]:
         return [run]
     if (run / TRAJECTORIES).is_file():
         return [run / TRAJECTORIES]
-    files = sorted((run / "rollouts").glob("step_*.jsonl")) + sorted((run / "eval").glob("*.jsonl"))
+    files = [path for _, _, path in training_files(run)]
     if not files:
         raise Invalid(f"{run}: no {TRAJECTORIES} (nor a training run's rollouts/ or eval/)")
     return files
+
+
+def training_files(run: Path) -> list[tuple[str, str, Path]]:
+    """A training run's trajectory files as (split, step or name, path): its saved rollouts
+    (``rollouts/step_NNNNNN.jsonl``, train.save_rollouts), then its evaluations (``eval/``)."""
+    rollouts = [
+        ("train", f.stem.removeprefix("step_"), f) for f in sorted((run / "rollouts").glob("step_*.jsonl"))
+    ]
+    evals = [("eval", f.stem.removeprefix("step_"), f) for f in sorted((run / "eval").glob("*.jsonl"))]
+    return rollouts + evals
 
 
 def validate_run(run: Path) -> int:

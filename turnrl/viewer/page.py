@@ -14,6 +14,7 @@ from typing import Any
 
 from turnrl.gateway.store import CALLS, read_branches
 from turnrl.rollout.codec import strict_json, trajectory_to_json
+from turnrl.rollout.validate import training_files
 from turnrl.viewer.assets import PAGE_CSS, PAGE_JS, PAGE_TEMPLATE
 
 TRAJECTORIES = "trajectories.jsonl"
@@ -49,10 +50,10 @@ def read_run(run_dir: Path) -> Run:
     if not path.is_file() and (run_dir / CALLS).is_file():  # a gateway's folder: its sessions' branches
         path = run_dir / CALLS
         trajectories = [{**trajectory_to_json(t), "line": k} for k, t in enumerate(read_branches(path), 1)]
-    elif not path.is_file() and _training_files(run_dir):  # a training run: saved rollouts, evaluations
+    elif not path.is_file() and training_files(run_dir):  # a training run: saved rollouts, evaluations
         trajectories = [
             {**traj, "info": {**traj.get("info", {}), "split": split, "step": step}}
-            for split, step, file in _training_files(run_dir)
+            for split, step, file in training_files(run_dir)
             for traj in _read_jsonl(file)
         ]
         path = run_dir
@@ -67,15 +68,6 @@ def read_run(run_dir: Path) -> Run:
         raise ViewerError(f"{path} holds no trajectories")
     config_text = _read_text(run_dir / CONFIG)
     return Run(run_dir, trajectories, _read_summary(run_dir / SUMMARY), config_text, _model_of(config_text))
-
-
-def _training_files(run_dir: Path) -> list[tuple[str, str, Path]]:
-    """A training run's trajectory files: (split, step or name, path), saved rollouts then evaluations."""
-    rollouts = [
-        ("train", f.stem.removeprefix("step_"), f) for f in sorted((run_dir / ROLLOUTS).glob("step_*.jsonl"))
-    ]
-    evals = [("eval", f.stem.removeprefix("step_"), f) for f in sorted((run_dir / "eval").glob("*.jsonl"))]
-    return rollouts + evals
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
