@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"integrations"},
     {"app", "viewer"},
     {"train"},
+    {"harness"},
     {"gateway"},
     {"distributed"},
     {"config", "models", "testing", "data"},
@@ -30,7 +31,18 @@ LAYERS: list[set[str]] = [
     {"vision", "support"},
     {"types"},
 ]
-UPPER = {"config", "models", "distributed", "gateway", "train", "integrations", "cli", "app", "viewer"}
+UPPER = {
+    "config",
+    "models",
+    "distributed",
+    "gateway",
+    "harness",
+    "train",
+    "integrations",
+    "cli",
+    "app",
+    "viewer",
+}
 CORE = {"rollout", "chat", "engines", "env", "tools", "vision", "support", "types"}
 # the gateway turns API calls into trajectories: it serves an engine it is handed (app builds it), encodes
 # with chat, parses replies with tools' parsers and records with rollout's token record and codec

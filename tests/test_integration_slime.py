@@ -323,6 +323,9 @@ def test_every_stop_reason_maps_to_a_slime_status(stop: StopReason) -> None:
         StopReason.ENV_ERROR: "FAILED",
         StopReason.ENGINE_ERROR: "FAILED",
         StopReason.INTERNAL_ERROR: "FAILED",
+        StopReason.AGENT_DONE: "COMPLETED",
+        StopReason.AGENT_ERROR: "FAILED",
+        StopReason.AGENT_TIMEOUT: "FAILED",
         StopReason.ABORTED: "ABORTED",
     }[stop]
     assert status_name(stop) == expected

@@ -280,6 +280,8 @@ class EnvRoute(Strict):
 class EnvConfig(Strict):
     """The environment: a registered name or ``module:Class``, and its constructor kwargs."""
 
+    kind: Literal["env"] = "env"
+    """An env turnrl runs turn by turn (``harness``: an agent that already exists, run as a process)."""
     name: str
     """A registered env (guess_number, math_tools...) or "module:Class"."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -289,6 +291,60 @@ class EnvConfig(Strict):
     directly, built without kwargs); rows without ``env`` play in ``name``."""
     ray: RayEnvConfig = Field(default_factory=RayEnvConfig)
     """Env workers on Ray; off: in-process."""
+
+
+class HarnessConfig(Strict):
+    """An agent that already exists, run once per sample and group member as a process of its own,
+    its model calls served and recorded by the gateway (``env: {kind: harness, ...}``)."""
+
+    kind: Literal["harness"]
+    """An agent harness (``env``: an env turnrl runs turn by turn)."""
+    command: list[str] | str
+    """The agent: an argv (``[python, agent.py, "{prompt}"]``: ``{prompt}`` is the row's last user
+    message, ``python`` the interpreter turnrl runs in, an argument naming an existing file is made
+    absolute), or "module:function", called as ``fn(sample, folder)`` in a process of its own. It
+    runs in the run's folder, with the gateway's URL and the session's key in OPENAI_BASE_URL,
+    OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY, and the row in the JSON file
+    TURNRL_SAMPLE."""
+    reward: str
+    """"module:function": ``fn(sample, result) -> float | list[float] | None`` once the agent ended
+    (``turnrl.harness.HarnessResult``: the session's branches, final messages, exit code, output
+    tails, the folder). A list gives each branch its own reward; None leaves the run out of its
+    group's baseline and of training (counted as train/excluded/reward_none)."""
+    folder: str | None = None
+    """A folder copied as each run's working folder (none: an empty one)."""
+    setup: str | None = None
+    """"module:function": ``fn(sample, folder)`` prepares a run's folder (after the copy)."""
+    timeout_s: float = Field(300.0, gt=0)
+    """A run still going after this long is killed with its whole process group (agent_timeout)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables for the agent, on top of this process's own."""
+    api: Literal["any", "openai", "anthropic"] = "any"
+    """The API the agent speaks (every one is served; this names which variables matter)."""
+    max_calls: int = Field(256, ge=1)
+    """A session's model calls: the next one is refused (HTTP 400), and the run ends as token_budget."""
+    max_session_tokens: int = Field(32768, ge=16)
+    """A branch's tokens never exceed this: a call that would is refused (context length)."""
+    reinforce: Literal["all", "last"] = "all"
+    """Which branches of a session are trained: every one, or only the last one started."""
+    skip_system: list[str] = Field(default_factory=list)
+    """Regexes: a branch whose system prompt matches one is not trained (auxiliary calls such as
+    title generation), counted as train/excluded/not_reinforced."""
+    keep_folders: bool = False
+    """Keep each run's folder (under OUT/harness/) instead of removing it when the run is scored."""
+
+
+def _env_kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("kind", "env"))
+    return str(getattr(value, "kind", "env"))
+
+
+AnyEnvConfig = Annotated[
+    Annotated[EnvConfig, Tag("env")] | Annotated[HarnessConfig, Tag("harness")],
+    Discriminator(_env_kind),
+]
+"""The env section: ``kind`` picks an env turnrl runs (the default) or an agent harness."""
 
 
 class DataConfig(Strict):
@@ -357,8 +413,9 @@ class RolloutConfig(Strict):
     """Trajectories in flight."""
     fail_fraction: float = Field(0.5, ge=0.0, le=1.0)
     """A rollout, training step or evaluation where more than this share of the trajectories
-    ended in engine_error, env_error or internal_error stops the run (exit 1): the infrastructure
-    is broken, and their zero rewards say nothing of the model. 1: never stop."""
+    ended in engine_error, env_error, internal_error, agent_error or agent_timeout stops the run
+    (exit 1): the infrastructure is broken, and their zero rewards say nothing of the model.
+    1: never stop."""
 
 
 class CollectConfig(RolloutConfig):
@@ -374,8 +431,8 @@ class RunSections(Strict):
     model: str
     """HF id in the local cache, a local folder, or a shipped name: tiny-qwen3, smollm2-135m,
     smollm2-135m-play (SmolLM2 warm-started on the example envs, built once on first use)."""
-    env: EnvConfig
-    """The environment."""
+    env: AnyEnvConfig
+    """The environment, or an agent harness (``kind: harness``)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """The prompts."""
     engine: EngineConfig = Field(default_factory=HFEngineConfig)

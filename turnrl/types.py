@@ -61,6 +61,9 @@ class StopReason(StrEnum):
     ENGINE_ERROR = "engine_error"  # the engine failed and could not be retried
     INTERNAL_ERROR = "internal_error"  # a bug in turnrl or in a hook; the error names it
     ABORTED = "aborted"  # generation was aborted (shutdown, weight update)
+    AGENT_DONE = "agent_done"  # a harness run: the agent's process exited 0
+    AGENT_ERROR = "agent_error"  # a harness run: the agent exited non-zero, did not start, or never called
+    AGENT_TIMEOUT = "agent_timeout"  # a harness run: the agent outran env.timeout_s and was killed
 
     @property
     def truncated(self) -> bool:

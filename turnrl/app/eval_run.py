@@ -11,10 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from turnrl.app.engines import build_engine
 from turnrl.app.output import EVAL, open_output
-from turnrl.app.parts import RunError, build_env_factory, build_spec, load_samples
-from turnrl.app.preflight import check_run, check_template
+from turnrl.app.parts import RunError, build_spec, env_inputs, env_name, load_samples, with_runner
+from turnrl.app.preflight import check_inputs, check_template
 from turnrl.app.run import SERVERS
-from turnrl.env.registry import resolve_env
 from turnrl.rollout.failures import FAILURES
 from turnrl.support.run_folder import release
 from turnrl.train.config import TrainConfig
@@ -63,18 +62,17 @@ async def evaluate_config(
     """Validate, load, roll out the held-out prompts and write ``out_dir/eval.jsonl`` and ``eval.json``."""
     if config.eval.data is None:
         raise RunError("the config has no held-out set: set eval.data (e.g. --set eval.data.path=FILE)")
-    entry = resolve_env(config.env.name)
+    entry, env_factory = env_inputs(config.env)
     samples = load_samples(config.eval.data, entry)
     open_output(out_dir, EVAL, config, overwrite=True, resume=False)  # locked: one evaluation at a time
-    env_factory = build_env_factory(config.env, entry)
-    check_run(config.env.name, samples, env_factory)
+    check_inputs(config.env, samples, env_factory)
     if checkpoint is not None:
         with console.status(f"reading {checkpoint}"):
             model = checkpoint_model(checkpoint, config.model, out_dir)
         config = config.model_copy(update={"model": model})
     with console.status(f"loading {config.model}") as status:
         engine, tokenizer = build_engine(config, out_dir / SERVERS, say=status.update)
-    spec = build_spec(config, engine, tokenizer, env_factory)
+    spec = with_runner(build_spec(config, engine, tokenizer, env_factory), config, out_dir)
     total = len(samples) * config.eval.group_size
     seen: list[float] = []
     failed: list[Trajectory] = []
@@ -103,6 +101,9 @@ async def evaluate_config(
             )
     finally:
         release(out_dir)
+        close_runner = getattr(spec.runner, "close", None)  # an agent harness's gateway
+        if close_runner is not None:
+            await close_runner()
         await engine.close()
         shutdown = getattr(env_factory, "shutdown", None)
         if callable(shutdown):
@@ -118,5 +119,5 @@ def evaluate(config: TrainConfig, checkpoint: str | None, out: str | None, conso
     _, rows = asyncio.run(evaluate_config(config, ckpt, out_dir, console))
     if not rows:
         raise RunError("no trajectory was rolled out (is the held-out set empty?)")
-    console.print(report_table(rows, f"{config.env.name} on {ckpt or config.model}"))
+    console.print(report_table(rows, f"{env_name(config.env)} on {ckpt or config.model}"))
     return out_dir

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import DataConfig, EnvConfig, RunSections
+from turnrl.config import AnyEnvConfig, DataConfig, EnvConfig, HarnessConfig, RunSections
 from turnrl.data import read_rows, to_samples
 from turnrl.env.base import Env, EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
@@ -22,17 +23,17 @@ class RunError(ValueError):
     """A run that cannot start; the message says why."""
 
 
-def load_samples(data: DataConfig, entry: EnvEntry) -> list[Sample]:
-    """Samples from a file, a generator, or the env's own data. Rows need a ``prompt`` unless the
-    env is a class whose ``reset()`` builds one (or a factory turnrl cannot see into; its reset is
-    checked when it runs)."""
-    required = builds_no_prompt(entry.factory)
+def load_samples(data: DataConfig, entry: EnvEntry | None) -> list[Sample]:
+    """Samples from a file, a generator, or the env's own data (``entry``; None for an agent
+    harness). Rows need a ``prompt`` unless the env is a class whose ``reset()`` builds one (or a
+    factory turnrl cannot see into; its reset is checked when it runs)."""
+    required = entry is None or builds_no_prompt(entry.factory)
     if data.path:
         return to_samples(read_rows(data.path, data.split), data.path, data.limit, required)
     if data.generator:
         generator = import_object(data.generator, "data generator")
         return to_samples(_generated(generator, data), data.generator, data.limit, required)
-    if entry.dataset is None:
+    if entry is None or entry.dataset is None:
         raise RunError("no data: set data.path or data.generator (this env has no data of its own)")
     return to_samples(entry.dataset(**data.kwargs), "the env's data", data.limit, required)
 
@@ -48,6 +49,45 @@ def _generated(generator: Any, data: DataConfig) -> Iterator[dict[str, Any]]:
         yield from generator(**data.kwargs)
     except Exception as exc:
         raise RunError(f"data.generator {data.generator} failed: {type(exc).__name__}: {exc}") from None
+
+
+def env_inputs(env: AnyEnvConfig) -> tuple[EnvEntry | None, EnvFactory]:
+    """The env's registry entry and factory; an agent harness has neither an entry nor an env (its
+    factory refuses to build one: the rollout spec's ``runner`` runs it)."""
+    if isinstance(env, HarnessConfig):
+        return None, _no_env
+    entry = resolve_env(env.name)
+    return entry, build_env_factory(env, entry)
+
+
+def env_name(env: AnyEnvConfig) -> str:
+    """The env's name, for titles: its own, or the harness's command."""
+    if isinstance(env, HarnessConfig):
+        return env.command if isinstance(env.command, str) else " ".join(env.command)
+    return env.name
+
+
+def _no_env(sample: Sample) -> Env:
+    raise RunError("an agent harness (env.kind: harness) has no env to build: its runner runs it")
+
+
+def with_runner(spec: RolloutSpec, config: RunSections, out_dir: Path) -> RolloutSpec:
+    """``spec`` with an agent harness's runner when the env is one (its gateway serves ``spec``'s
+    engine on loopback once the first run starts)."""
+    env = config.env
+    if not isinstance(env, HarnessConfig):
+        return spec
+    try:
+        from turnrl.harness import HarnessRunner
+    except ImportError as exc:
+        raise RunError(f"env.kind harness serves a gateway: pip install 'turnrl[gateway]' ({exc})") from None
+    from turnrl.tools.parsers import get_parser, parser_for_template
+
+    template = spec.encoder.template
+    name = parser_for_template(str(getattr(template.tokenizer, "chat_template", None) or ""))
+    parser = get_parser(name) if name else None
+    runner = HarnessRunner(env, spec.engine, spec.encoder, parser, config.model, out_dir)
+    return dataclasses.replace(spec, runner=runner)
 
 
 def build_env_factory(env: EnvConfig, entry: EnvEntry | None = None) -> EnvFactory:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from pathlib import Path
 
 from turnrl.app.parts import EnvRouter, RunError
 from turnrl.chat.encoder import ChatEncoder
+from turnrl.config import AnyEnvConfig, HarnessConfig
 from turnrl.env.base import Env, EnvFactory
+from turnrl.support.imports import import_object
 from turnrl.types import Sample
 
 
@@ -80,3 +83,23 @@ def check_run(name: str, samples: Sequence[Sample], factory: EnvFactory) -> None
         raise RunError("no data: the data has no rows")
     check_prompts(samples)
     check_env(name, factory, samples[0])
+
+
+def check_inputs(env: AnyEnvConfig, samples: Sequence[Sample], factory: EnvFactory) -> None:
+    """``check_run`` for an env; for a harness: the prompts, and that its command and hooks exist."""
+    if not isinstance(env, HarnessConfig):
+        check_run(env.name, samples, factory)
+        return
+    if not samples:
+        raise RunError("no data: the data has no rows")
+    check_prompts(samples)
+    from turnrl.harness.process import check_command
+
+    problem = check_command(env.command)
+    if problem:
+        raise RunError(problem)
+    for hook, what in ((env.reward, "env.reward"), (env.setup, "env.setup")):
+        if hook:
+            import_object(hook, what)
+    if env.folder and not Path(env.folder).is_dir():
+        raise RunError(f"env.folder {env.folder!r} is not a folder")

@@ -13,10 +13,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from turnrl.app.engines import build_engine
 from turnrl.app.output import ROLLOUT, open_output, start_output
-from turnrl.app.parts import RunError, build_env_factory, build_spec, load_samples
-from turnrl.app.preflight import check_run, check_template
+from turnrl.app.parts import RunError, build_spec, env_inputs, load_samples, with_runner
+from turnrl.app.preflight import check_inputs, check_template
 from turnrl.config import RunConfig
-from turnrl.env.registry import resolve_env
 from turnrl.rollout.codec import json_line
 from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recover
 from turnrl.rollout.failures import FAILURES, check_failures
@@ -47,16 +46,15 @@ def prepare(
 ) -> Prepared:
     """Validate env, data, rewards and output folder, then load the model (or start its servers,
     which log into ``OUT/servers/``). Writes nothing else."""
-    entry = resolve_env(config.env.name)
+    entry, env_factory = env_inputs(config.env)
     samples = load_samples(config.data, entry)
     out_dir = Path(config.output_dir)
     open_output(out_dir, ROLLOUT, config, overwrite, resume)
-    env_factory = build_env_factory(config.env, entry)
-    check_run(config.env.name, samples, env_factory)
+    check_inputs(config.env, samples, env_factory)
     console = console or Console(stderr=True)
     with console.status(f"loading {config.model}") as status:
         engine, tokenizer = build_engine(config, out_dir / SERVERS, say=status.update)
-    spec = build_spec(config, engine, tokenizer, env_factory)
+    spec = with_runner(build_spec(config, engine, tokenizer, env_factory), config, out_dir)
     try:
         check_template(spec.encoder, samples[0])
     except RunError:
@@ -164,6 +162,9 @@ async def run_prepared(prepared: Prepared, console: Console | None = None) -> di
                     skip=skip,
                 )
             finally:
+                close_runner = getattr(prepared.spec.runner, "close", None)  # an agent harness's gateway
+                if close_runner is not None:
+                    await close_runner()
                 await prepared.spec.engine.close()
                 if turn_writer:
                     turn_writer.close()

@@ -23,12 +23,11 @@ from transformers.utils import logging as hf_logging
 
 from turnrl.app.engines import hf_engine_options, local_engine
 from turnrl.app.output import TRAINING, open_output, start_output
-from turnrl.app.parts import build_env_factory, build_spec, load_samples
-from turnrl.app.preflight import check_run, check_template
+from turnrl.app.parts import build_spec, env_inputs, load_samples, with_runner
+from turnrl.app.preflight import check_inputs, check_template
 from turnrl.app.run import SERVERS
 from turnrl.config import ConfigError, HFEngineConfig, VLLMEngineConfig
 from turnrl.engines.hf import HFEngine
-from turnrl.env.registry import resolve_env
 from turnrl.models import ModelSpec, load_model, load_tokenizer, load_vision_processor, resolve_model
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.spec import RolloutSpec
@@ -99,17 +98,17 @@ def build_run(
     hf_logging.disable_progress_bar()
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    entry = resolve_env(config.env.name)
+    entry, env_factory = env_inputs(config.env)
     data = Data(
         load_samples(config.data, entry),
         load_samples(config.eval.data, entry) if config.eval.data else [],
         load_samples(config.warm_start.data, entry) if config.warm_start else [],
     )
-    env_factory = build_env_factory(config.env, entry)
-    check_run(config.env.name, data.train, env_factory)
+    check_inputs(config.env, data.train, env_factory)
     spec = resolve_model(config.model)
     learner, engine = _learner_and_engine(config, spec, resumed, console, ranks)
     rollout = _rollout_spec(config, build_spec(config, engine, learner.tokenizer, env_factory), engine)
+    rollout = with_runner(rollout, config, out)
     check_template(rollout.encoder, data.train[0])
     if ranks.main:
         start_output(out, TRAINING, config, resume)  # every input is valid: now the folder may change

@@ -25,6 +25,8 @@ class GatewayConfig(Strict):
     max_session_tokens: Annotated[int, Field(ge=16)] = 32768
     """A branch's tokens (prompt + replies + what the client added) never exceed this: a call that
     would is refused with the API's context-length error."""
+    max_session_calls: Annotated[int, Field(ge=1)] | None = None
+    """A session's calls: the next one is refused with an HTTP 400 that says so (None: no limit)."""
     seed: int = 0
     """Each call's seed derives from it, the session, the branch and the call."""
     output_dir: str = "runs/gateway"
@@ -33,5 +35,7 @@ class GatewayConfig(Strict):
     """The address the server listens on (loopback by default)."""
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     """The port (0: any free one, said at start)."""
+    any_model: bool = False
+    """Answer a call whatever model it names (an agent with its own model name, unchanged)."""
     served_name: str | None = None
     """The model name clients use (default: ``model``); ``/v1/models`` lists it."""

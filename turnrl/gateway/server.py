@@ -67,7 +67,7 @@ class Gateway:
 
     def check_model(self, model: str) -> None:
         """Refuse a model this gateway does not serve (404)."""
-        if model and model != self.model:
+        if model and model != self.model and not self.config.any_model:
             served = f"this gateway serves {self.model!r}"
             message = f"the model {model!r} does not exist; {served}"
             raise ApiError(404, message, code="model_not_found", param="model")
@@ -81,6 +81,7 @@ class Gateway:
         async with self._locks[name]:
             t0 = time.perf_counter()
             session = self.session(name)
+            self._check_budget(session)
             plan = self._plan(session, request)
             prompt = plan.prompt
             cached = 0 if plan.new and plan.branch.fork_at is None else len(plan.branch.sequence)
@@ -162,6 +163,14 @@ class Gateway:
             self.log.write(call_record(session.name, plan, gen, reply, versions))
         return reply
 
+    def _check_budget(self, session: Session) -> None:
+        """Refuse a call past the session's call budget (``max_session_calls``)."""
+        limit = self.config.max_session_calls
+        if limit is not None and session.calls >= limit:
+            session.over_budget = True
+            message = f"this session made {session.calls} calls; the limit is {limit} (max_session_calls)"
+            raise ApiError(400, message, code="session_call_limit")  # 400: clients do not retry it
+
     def _plan(self, session: Session, request: ChatRequest) -> Plan:
         try:
             plan = session.plan(request.messages, request.tools)
@@ -180,7 +189,7 @@ class Gateway:
     ) -> SamplingParams:
         """The config's sampling, with max_tokens lowered to the client's and to what is left of the
         branch's budget (``max_session_tokens``), and the client's single-token stop strings."""
-        forced = self.config.sampling
+        forced = session.sampling or self.config.sampling
         left = self.config.max_session_tokens - prompt_tokens
         if left <= 0:
             limit = self.config.max_session_tokens

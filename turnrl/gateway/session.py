@@ -31,7 +31,7 @@ from turnrl.rollout.episode import Episode
 from turnrl.rollout.record import ResponseRecord
 from turnrl.tools.base import ParseResult
 from turnrl.tools.parser_base import ToolParser, split_reasoning
-from turnrl.types import Generation, Sample, StopReason, Trajectory
+from turnrl.types import Generation, Sample, SamplingParams, StopReason, Trajectory
 from turnrl.vision.buffer import MultimodalBuffer, first_images
 from turnrl.vision.content import count_images
 
@@ -190,6 +190,13 @@ class Session:
         self.encoder = encoder
         self.parser = parser
         self.branches: list[Branch] = []
+        self.sampling: SamplingParams | None = None  # the session's own sampling (None: the gateway's)
+        self.over_budget = False  # a call was refused past the call budget
+
+    @property
+    def calls(self) -> int:
+        """Calls answered in this session, over all its branches."""
+        return sum(branch.calls for branch in self.branches)
 
     def plan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Plan:
         """The branch a call extends (newest first), else a new one forked at the longest exact prefix."""

@@ -59,6 +59,7 @@ from turnrl.integrations.agent_settings import (
     trainer_sample,
     turn_max_tokens,
 )
+from turnrl.rollout.failures import FAILURES
 from turnrl.rollout.loop import run_trajectory
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.types import Generation, SamplingParams, StopReason, Trajectory
@@ -79,8 +80,8 @@ OWNED = frozenset(
         "custom_params",  # asks for top-p replay data, which turnrl does not record
     }
 )
-COMPLETED = frozenset({StopReason.ENV_DONE, StopReason.NO_TOOL_CALL})
-FAILED = frozenset({StopReason.ENV_ERROR, StopReason.ENGINE_ERROR, StopReason.INTERNAL_ERROR})
+COMPLETED = frozenset({StopReason.ENV_DONE, StopReason.NO_TOOL_CALL, StopReason.AGENT_DONE})
+FAILED = FAILURES
 TIMEOUT_S = 3600.0  # one /generate request
 
 _LOCK = threading.Lock()

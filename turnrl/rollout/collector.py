@@ -49,14 +49,16 @@ async def iter_trajectories(
     gate = asyncio.Semaphore(concurrency)
     skip = skip or set()
 
-    async def one(sample: Sample, index: int) -> Trajectory:
+    async def one(sample: Sample, index: int) -> list[Trajectory]:
         async with gate:
             try:
-                return await run_trajectory(sample, spec, index)
+                if spec.runner is not None:  # an agent harness: the branches of one run
+                    return await spec.runner(sample, index, spec)
+                return [await run_trajectory(sample, spec, index)]
             except Exception as exc:  # a bug in one trajectory never takes the others down
-                return failed_trajectory(
-                    sample, index, f"internal: {describe(exc)}", StopReason.INTERNAL_ERROR
-                )
+                return [
+                    failed_trajectory(sample, index, f"internal: {describe(exc)}", StopReason.INTERNAL_ERROR)
+                ]
 
     pairs = [(s, k) for s in samples for k in range(group_size) if (s.id, k) not in skip]
     by_id = {s.id: s for s in samples}
@@ -64,19 +66,21 @@ async def iter_trajectories(
     tasks = [asyncio.create_task(one(s, k)) for s, k in pairs]
     try:
         for next_done in asyncio.as_completed(tasks):
-            traj = await next_done
-            left[traj.group_id] -= 1
-            complete += left[traj.group_id] == 0
+            run = await next_done
+            group_id = run[0].group_id
+            left[group_id] -= 1
+            complete += left[group_id] == 0
             control = spec.control
             if target_groups is not None and complete >= target_groups and control and not control.stopped:
                 await control.stop(as_abortable(spec.engine))
-            if spec.rewards.group_fn_for(traj.data_source) is None:
-                yield traj
+            if spec.rewards.group_fn_for(run[0].data_source) is None:
+                for traj in run:
+                    yield traj
                 continue
-            group = held.setdefault(traj.group_id, [])
-            group.append(traj)
-            if left[traj.group_id] == 0:
-                await spec.rewards.score_group(by_id[traj.group_id], held.pop(traj.group_id))
+            group = held.setdefault(group_id, [])
+            group += run
+            if left[group_id] == 0:
+                await spec.rewards.score_group(by_id[group_id], held.pop(group_id))
                 for member in sorted(group, key=lambda t: t.sample_index):
                     yield member
     finally:

@@ -14,8 +14,16 @@ from collections.abc import Sequence
 
 from turnrl.types import StopReason, Trajectory
 
-FAILURES = frozenset({StopReason.ENGINE_ERROR, StopReason.ENV_ERROR, StopReason.INTERNAL_ERROR})
-"""Stops that say the infrastructure failed, not the model."""
+FAILURES = frozenset(
+    {
+        StopReason.ENGINE_ERROR,
+        StopReason.ENV_ERROR,
+        StopReason.INTERNAL_ERROR,
+        StopReason.AGENT_ERROR,
+        StopReason.AGENT_TIMEOUT,
+    }
+)
+"""Stops that say the infrastructure failed, not the model (for a harness run: the agent's process)."""
 
 
 class RunFailed(RuntimeError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from turnrl.chat.check import CheckMode
@@ -11,7 +11,7 @@ from turnrl.env.base import Env, EnvFactory
 from turnrl.env.rewards import Rewards
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.episode import Episode
-from turnrl.types import Engine, Limits, Sample, SamplingParams, Turn
+from turnrl.types import Engine, Limits, Sample, SamplingParams, Trajectory, Turn
 
 
 @dataclass
@@ -30,7 +30,12 @@ class RolloutSpec:
     mask_offpolicy: bool = False  # mask (0) model tokens sampled by an older policy than the newest
     inference_contexts: bool = False  # record each turn's context as a chat server would render it
     vocab_size: int | None = None  # sampled ids at or above it end the trajectory as engine_error
+    runner: Runner | None = None  # runs a sample's group member itself (an agent harness), not the env loop
 
+
+Runner = Callable[[Sample, int, "RolloutSpec"], Awaitable[list[Trajectory]]]
+"""Runs group member k of a sample its own way (an agent harness run) and returns its trajectories
+(the branches of its session), all with that sample index."""
 
 TurnHook = Callable[[Sample, int, int, Turn], None]
 """Called with (sample, sample_index, turn_index, turn) as each turn completes."""

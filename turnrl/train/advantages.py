@@ -8,6 +8,10 @@ Every estimator returns ``advantages[i][k]``: the advantage of model turn ``k`` 
   (without std normalization, Dr. GRPO: ``A_i = R_i - mean_g R``). ``std`` is the sample
   standard deviation (n - 1), as in GRPO; a group of one gets 0.
 - ``rloo``: leave-one-out, ``A_i = R_i - mean_{j != i} R_j``; never std-normalized.
+- An agent harness run may leave several trajectories (its session's branches): for ``grpo`` and
+  ``rloo`` the group's mean and std are over runs (one reward per sample index, ``run_reward``),
+  and each branch is scored against them with its own reward (its run's, unless the reward gave
+  per-branch values).
 - ``reward_to_go`` (per-turn credit): turn ``k`` of ``i`` is credited with its return
   ``G_ik = R_i + sum_{k' >= k} gamma^(k' - k) r_ik'`` (the final reward plus the discounted env
   rewards of this and the later turns), and its baseline is the mean return of turn ``k``
@@ -82,13 +86,38 @@ def _per_turn(traj: Trajectory, value: float) -> list[float]:
     return [value] * traj.num_turns
 
 
+def run_reward(traj: Trajectory) -> float:
+    """The reward of the run ``traj`` belongs to: an agent harness run may leave several branches,
+    each with its own reward; the run's own is ``info["run_reward"]`` (else the trajectory's)."""
+    return float(traj.info.get("run_reward", traj.reward))
+
+
+def run_key(trajs: Sequence[Trajectory], i: int) -> tuple[str, int]:
+    """The run trajectory ``i`` belongs to: its sample index for a branch of an agent harness
+    session (``info["session"]``); any other trajectory is a run of its own."""
+    return ("session", trajs[i].sample_index) if "session" in trajs[i].info else ("own", i)
+
+
+def run_rewards(trajs: Sequence[Trajectory], members: list[int]) -> dict[tuple[str, int], float]:
+    """Per run of a group, the run's reward: the baseline is over runs, however many branches each
+    left."""
+    out: dict[tuple[str, int], float] = {}
+    for i in members:
+        out.setdefault(run_key(trajs, i), run_reward(trajs[i]))
+    return out
+
+
 @register_estimator("grpo")
 def grpo(trajs: Sequence[Trajectory], options: AdvantageOptions) -> TurnAdvantages:
     """Group-normalized final rewards, the same for every turn of a trajectory."""
     out: TurnAdvantages = [[] for _ in trajs]
     for members in groups(trajs).values():
-        scores = normalize([trajs[i].reward for i in members], options.normalize_std, options.eps)
-        for i, score in zip(members, scores, strict=True):
+        runs = list(run_rewards(trajs, members).values())
+        for i in members:
+            score = 0.0
+            if len(runs) > 1:
+                scale = statistics.stdev(runs) + options.eps if options.normalize_std else 1.0
+                score = (trajs[i].reward - statistics.fmean(runs)) / scale
             out[i] = _per_turn(trajs[i], score)
     return out
 
@@ -98,10 +127,11 @@ def rloo(trajs: Sequence[Trajectory], options: AdvantageOptions) -> TurnAdvantag
     """Final reward minus the mean reward of the rest of the group (0 in a group of one)."""
     out: TurnAdvantages = [[] for _ in trajs]
     for members in groups(trajs).values():
-        rewards = [trajs[i].reward for i in members]
-        total, n = sum(rewards), len(rewards)
-        for i, reward in zip(members, rewards, strict=True):
-            out[i] = _per_turn(trajs[i], reward - (total - reward) / (n - 1) if n > 1 else 0.0)
+        runs = run_rewards(trajs, members)
+        total, n = sum(runs.values()), len(runs)
+        for i in members:
+            others = (total - runs[run_key(trajs, i)]) / (n - 1) if n > 1 else 0.0
+            out[i] = _per_turn(trajs[i], trajs[i].reward - others if n > 1 else 0.0)
     return out
 
 

@@ -9,6 +9,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from turnrl.config import (
     DataConfig,
+    EnvConfig,
+    HarnessConfig,
     HFEngineConfig,
     RolloutConfig,
     RunSections,
@@ -296,7 +298,7 @@ class TrainConfig(RunSections):
             )
         if isinstance(self.engine, VLLMEngineConfig) and self.engine.in_process:
             raise ValueError("turnrl train uses vLLM servers: set engine.in_process false")
-        if self.engine.ray.enabled or self.env.ray.enabled:
+        if self.engine.ray.enabled or (isinstance(self.env, EnvConfig) and self.env.ray.enabled):
             raise ValueError(
                 "turnrl train runs in one process: set engine.ray.enabled and env.ray.enabled false"
             )
@@ -304,6 +306,8 @@ class TrainConfig(RunSections):
             raise ValueError(
                 "rollout.group_size must be at least 2: advantages compare a prompt's trajectories"
             )
+        if self.train.overlap and isinstance(self.env, HarnessConfig):
+            raise ValueError("train.overlap does not run an agent harness yet: set train.overlap false")
         if self.train.overlap and self.algorithm.max_staleness < 1:
             raise ValueError(
                 "train.overlap rolls out while the trainer steps, so tokens are one version old or more: "

@@ -22,11 +22,15 @@ __all__ = ["FAILURES", "exclude_failures", "exclusion_metrics"]
 
 
 def exclude_failures(trajs: Sequence[Trajectory], keep: bool) -> tuple[list[Trajectory], Counter[str]]:
-    """The trajectories to train on, and how many were left out per stop reason (none when ``keep``)."""
+    """The trajectories to train on, and how many were left out per stop reason (failures: none when
+    ``keep``) or per the reason a trajectory gives in ``info["exclude"]`` (an agent harness's
+    branches not to train: ``not_reinforced``, ``reward_none``)."""
+    marked = Counter(str(t.info["exclude"]) for t in trajs if t.info.get("exclude"))
+    trajs = [t for t in trajs if not t.info.get("exclude")]
     if keep:
-        return list(trajs), Counter()
+        return list(trajs), marked
     left_out = Counter(t.stop_reason.value for t in trajs if t.stop_reason in FAILURES)
-    return [t for t in trajs if t.stop_reason not in FAILURES], left_out
+    return [t for t in trajs if t.stop_reason not in FAILURES], left_out + marked
 
 
 def exclusion_metrics(

@@ -66,6 +66,9 @@ async def run_training(run: Run) -> dict[str, Any]:
             await feed.stop()
         run.progress = None
         log.close()
+        close_runner = getattr(run.spec.runner, "close", None)  # an agent harness's gateway
+        if close_runner is not None:
+            await close_runner()
         await run.engine.close()
         engine = config.engine
         if run.weights_dir is not None and not (isinstance(engine, VLLMEngineConfig) and engine.weights_dir):

@@ -1,0 +1,264 @@
+"""Agent harnesses: real agent processes (the plain openai SDK) against a real gateway on loopback,
+scored into trajectories; what a run that misbehaves becomes; advantages over runs, not branches;
+and ``turnrl train`` on a harness, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from gateway_fixtures import Recorder, assert_exact
+
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.config import HarnessConfig
+from turnrl.engines.scripted import ScriptedEngine
+from turnrl.harness import HarnessRunner
+from turnrl.harness.process import check_command
+from turnrl.support.imports import add_search_path
+from turnrl.tools.parsers import get_parser
+from turnrl.train.advantages import AdvantageOptions, compute_advantages
+from turnrl.train.exclusions import exclude_failures
+from turnrl.types import Sample, SamplingParams, StopReason, Trajectory
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENTS = Path(__file__).parent / "harness_agents"
+LOOKUP = ROOT / "examples" / "harness"
+CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "alpha"}}\n</tool_call>'
+SAMPLE = Sample(
+    "q1",
+    [{"role": "user", "content": "What is the secret code of 'alpha'?"}],
+    data_source="lookup",
+    metadata={"table": {"alpha": "42", "beta": "7"}, "key": "alpha"},
+)
+
+
+def runner_for(
+    tokenizer: Any, tmp_path: Path, replies: list[str], **harness: Any
+) -> tuple[HarnessRunner, Recorder]:
+    add_search_path(LOOKUP)
+    config = HarnessConfig.model_validate(
+        {"kind": "harness", "reward": "lookup_task:reward", "setup": "lookup_task:setup", **harness}
+    )
+    engine = Recorder(ScriptedEngine(tokenizer, replies))
+    runner = HarnessRunner(config, engine, ChatEncoder(tokenizer), get_parser("hermes"), "m", tmp_path)  # type: ignore[arg-type]
+    return runner, engine
+
+
+def run_once(runner: HarnessRunner, sample: Sample = SAMPLE, index: int = 0) -> list[Trajectory]:
+    spec: Any = SimpleNamespace(sampling=SamplingParams(max_tokens=64, seed=1))
+
+    async def go() -> list[Trajectory]:
+        try:
+            return await runner(sample, index, spec)
+        finally:
+            await runner.close()
+
+    return asyncio.run(go())
+
+
+def test_an_openai_sdk_agent_is_one_exact_branch_scored_by_its_reward(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    command = ["python", str(LOOKUP / "lookup_agent.py"), "{prompt}"]
+    runner, engine = runner_for(qwen3_tokenizer, tmp_path, [CALL, "<answer>42</answer>"], command=command)
+    [traj] = run_once(runner)
+    assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
+    assert traj.reward == 1.0  # the agent looked alpha up in its folder's codes.json and wrote 42
+    assert (traj.id, traj.group_id, traj.sample_index) == ("q1/0", "q1", 0)
+    assert traj.info["reason"] == "first" and traj.info["run"]["calls"] == 2
+    assert_exact(traj, engine.seen)  # trained tokens are exactly what the engine conditioned on
+    assert traj.messages[-2]["role"] == "tool" and traj.messages[-2]["content"] == "42"
+    assert not list(tmp_path.iterdir()) or not any(tmp_path.rglob("answer.txt"))  # folders removed
+
+
+def test_a_compacting_agent_leaves_two_branches_each_with_its_own_reward(
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lookup_task
+
+    monkeypatch.setattr(lookup_task, "reward", lambda sample, result: [0.25, 1.0][: len(result.branches)])
+    command = ["python", str(AGENTS / "compacting_agent.py"), "{prompt}"]
+    runner, engine = runner_for(qwen3_tokenizer, tmp_path, ["One.", "Two.", "Done."], command=command)
+    first, compacted = run_once(runner, index=3)
+    assert [first.info["reason"], compacted.info["reason"]] == ["first", "compaction"]
+    assert (first.id, compacted.id) == ("q1/3", "q1/3/1")
+    assert [first.reward, compacted.reward] == [0.25, 1.0]
+    assert first.info["run_reward"] == compacted.info["run_reward"] == 0.625
+    assert_exact(first, engine.seen[:2])
+    assert_exact(compacted, engine.seen[2:])
+
+
+@pytest.mark.parametrize(
+    ("mode", "stop", "said"),
+    [
+        ("crash", StopReason.AGENT_ERROR, "the agent exited with code 3: giving up"),
+        ("silent", StopReason.AGENT_ERROR, "the agent never called the model (exit code 0)"),
+        ("loop", StopReason.TOKEN_BUDGET, "the agent made 3 calls, its limit (env.max_calls)"),
+    ],
+)
+def test_a_misbehaving_agent_ends_with_a_stop_reason_of_its_own(
+    qwen3_tokenizer: Any, tmp_path: Path, mode: str, stop: StopReason, said: str
+) -> None:
+    command = ["python", str(AGENTS / "stubborn_agent.py"), mode]
+    runner, _ = runner_for(qwen3_tokenizer, tmp_path, ["Hi."] * 10, command=command, max_calls=3)
+    trajs = run_once(runner)
+    assert {t.stop_reason for t in trajs} == {stop}
+    assert trajs[0].error == said
+    if stop == StopReason.TOKEN_BUDGET:  # the calls before the limit are kept, and scored
+        assert len(trajs) == 1 and trajs[0].info["run"]["calls"] == 3 and trajs[0].num_turns == 3
+    kept, left_out = exclude_failures(trajs, keep=False)
+    assert (not kept) == (stop in (StopReason.AGENT_ERROR,)) and sum(left_out.values()) == len(trajs) - len(
+        kept
+    )
+
+
+def test_a_timeout_kills_the_agent_and_everything_it_started(qwen3_tokenizer: Any, tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    command = ["python", str(AGENTS / "stubborn_agent.py"), "sleep"]
+    env = {"PID_FILE": str(pid_file)}
+    runner, _ = runner_for(qwen3_tokenizer, tmp_path / "runs", [], command=command, timeout_s=3, env=env)
+    t0 = time.monotonic()
+    [traj] = run_once(runner)
+    assert time.monotonic() - t0 < 30
+    assert traj.stop_reason == StopReason.AGENT_TIMEOUT
+    assert traj.error and traj.error.startswith("the agent ran past env.timeout_s 3 s and was killed")
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)  # the agent's child is gone from the process table too
+
+
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    if not status.exists():
+        return False
+    return "State:\tZ" not in status.read_text()  # a zombie is dead, waiting to be reaped
+
+
+@pytest.mark.parametrize(
+    ("reward", "said"),
+    [
+        (lambda s, r: 1 / 0, "env.reward: the reward raised ZeroDivisionError: division by zero"),
+        (lambda s, r: math.nan, "env.reward: the reward returned nan: a finite number is needed"),
+        (lambda s, r: [1.0, 2.0], "env.reward: the reward returned 2 values for 1 branches"),
+    ],
+)
+def test_a_bad_reward_is_one_line_and_keeps_the_tokens(
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reward: Any, said: str
+) -> None:
+    import lookup_task
+
+    monkeypatch.setattr(lookup_task, "reward", reward)
+    command = ["python", str(LOOKUP / "lookup_agent.py"), "{prompt}"]
+    runner, _ = runner_for(qwen3_tokenizer, tmp_path, [CALL, "<answer>42</answer>"], command=command)
+    [traj] = run_once(runner)
+    assert traj.stop_reason == StopReason.INTERNAL_ERROR and traj.error == said
+    assert traj.num_turns == 2 and any(traj.loss_mask)
+
+
+def test_a_reward_of_none_leaves_the_run_out_and_says_why(
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lookup_task
+
+    monkeypatch.setattr(lookup_task, "reward", lambda s, r: None)
+    command = ["python", str(LOOKUP / "lookup_agent.py"), "{prompt}"]
+    runner, _ = runner_for(qwen3_tokenizer, tmp_path, [CALL, "<answer>42</answer>"], command=command)
+    trajs = run_once(runner)
+    kept, left_out = exclude_failures(trajs, keep=False)
+    assert not kept and left_out == {"reward_none": 1}
+
+
+def test_a_command_that_does_not_exist_is_one_line() -> None:
+    assert (
+        check_command(["no-such-agent-xyz", "run"])
+        == "env.command: 'no-such-agent-xyz' is not a program on PATH"
+    )
+    assert (
+        check_command("agent")
+        == "env.command 'agent': a Python callable is 'module:function' (or give an argv list)"
+    )
+    assert check_command(["python", "a.py"]) is None
+
+
+def branch(group: str, run: int, reward: float, run_reward: float, index: int = 0) -> Trajectory:
+    traj = Trajectory(f"{group}/{run}/{index}", group, "d", StopReason.AGENT_DONE, reward=reward, num_turns=1)
+    traj.sample_index = run
+    traj.info = {"session": f"{group}-{run}", "branch": index, "run_reward": run_reward}
+    return traj
+
+
+def test_grpo_and_rloo_baselines_are_over_runs_not_branches() -> None:
+    # group g: run 0 left 3 branches (reward 1 each), run 1 one branch (reward 0), run 2 one (0.5)
+    trajs = [branch("g", 0, 1.0, 1.0, k) for k in range(3)] + [
+        branch("g", 1, 0.0, 0.0),
+        branch("g", 2, 0.5, 0.5),
+    ]
+    # runs 1, 0, 0.5: mean 0.5, sample std 0.5 (not 1,1,1,0,0.5 over branches: mean 0.7)
+    got = compute_advantages("grpo", trajs, AdvantageOptions(eps=0.0))
+    assert got == [[1.0], [1.0], [1.0], [-1.0], [0.0]]
+    got = compute_advantages("rloo", trajs, AdvantageOptions())
+    assert got == [[0.75], [0.75], [0.75], [-0.75], [0.0]]  # R - mean of the other runs
+
+
+def test_per_branch_rewards_score_against_the_runs_baseline() -> None:
+    # run 0: branches 0.0 and 1.0 (run reward 0.5); run 1: one branch 1.5
+    trajs = [branch("g", 0, 0.0, 0.5, 0), branch("g", 0, 1.0, 0.5, 1), branch("g", 1, 1.5, 1.5)]
+    got = compute_advantages("grpo", trajs, AdvantageOptions(normalize_std=False))
+    assert got == [[-1.0], [0.0], [0.5]]  # baseline: mean of runs 0.5 and 1.5 = 1.0
+
+
+def test_reinforce_last_and_skip_system_mark_the_branches_not_to_train(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    command = ["python", str(AGENTS / "compacting_agent.py"), "{prompt}"]
+    runner, _ = runner_for(
+        qwen3_tokenizer, tmp_path, ["One.", "Two.", "Done."], command=command, reinforce="last"
+    )
+    first, compacted = run_once(runner)
+    assert first.info["exclude"] == "not_reinforced" and "exclude" not in compacted.info
+    kept, left_out = exclude_failures([first, compacted], keep=True)
+    assert kept == [compacted] and left_out == {"not_reinforced": 1}
+    runner, _ = runner_for(
+        qwen3_tokenizer, tmp_path, ["One.", "Two.", "Done."], command=command, skip_system=["terse"]
+    )
+    assert all(t.info["exclude"] == "not_reinforced" for t in run_once(runner))
+
+
+def turnrl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    command = [sys.executable, "-m", "turnrl.cli", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_turnrl_train_runs_an_unchanged_agent_and_trains_on_its_sessions(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    sets = ["--set", f"output_dir={out}", "--set", "train.steps=1", "--set", "eval.every=0"]
+    done = turnrl("train", "examples/harness/train_lookup.yaml", *sets)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from turnrl.rollout.collector import read_trajectories
+
+    trajs = read_trajectories(out / "rollouts" / "step_000001.jsonl")
+    assert len({(t.group_id, t.sample_index) for t in trajs}) == 2 * 4  # every run, exactly once
+    assert all(t.stop_reason == StopReason.AGENT_DONE and t.info["session"] for t in trajs)
+    assert all(t.prompt_ids and any(t.loss_mask) for t in trajs)
+    assert turnrl("validate", str(out)).returncode == 0
+
+
+def test_a_run_where_every_agent_failed_exits_non_zero(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    agent = str(AGENTS / "stubborn_agent.py")
+    sets = ["--set", f"output_dir={out}", "--set", "train.steps=1", "--set", "eval.every=0"]
+    sets += ["--set", f"env.command=[python, {agent}, crash]"]
+    done = turnrl("train", "examples/harness/train_lookup.yaml", *sets)
+    assert done.returncode == 1
+    assert "agent_error x8, first: the agent exited with code 3: giving up" in " ".join(done.stderr.split())

@@ -1,0 +1,104 @@
+"""One agent process: started in a session of its own in its folder, waited for within its timeout,
+killed with its whole process group when it outruns it (and after it exits: nothing is left behind),
+its output kept in files beside the folder and read back as tails."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+TAIL = 4000  # characters of stdout and stderr kept in a result
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How an agent process ended."""
+
+    code: int | None  # its exit code (None: it did not start, or was killed at the timeout)
+    timed_out: bool
+    stdout: str  # the last TAIL characters
+    stderr: str
+    error: str | None = None  # why it did not start
+    seconds: float = 0.0
+
+
+def argv_for(command: list[str] | str, prompt: str) -> list[str]:
+    """The argv of ``command``: a list with ``{prompt}`` filled in, ``python`` as this interpreter
+    and arguments naming an existing file (from here) made absolute, since the agent runs in its own
+    folder; or a "module:function" run by ``python -m turnrl.harness.call``."""
+    if isinstance(command, str):
+        return [sys.executable, "-m", "turnrl.harness.call", command]
+    argv = [sys.executable if command[0] == "python" else command[0]]
+    for part in command[1:]:
+        argv.append(str(Path(part).resolve()) if Path(part).is_file() else part.replace("{prompt}", prompt))
+    return argv
+
+
+def check_command(command: list[str] | str) -> str | None:
+    """Why ``command`` cannot start (one line), or None: an argv's program must exist."""
+    if isinstance(command, str):
+        if ":" not in command:
+            return f"env.command {command!r}: a Python callable is 'module:function' (or give an argv list)"
+        return None
+    if not command:
+        return "env.command is empty"
+    program = command[0]
+    if program == "python":
+        return None
+    if os.sep in program:
+        return None if os.access(program, os.X_OK) else f"env.command: {program!r} is not an executable file"
+    return None if shutil.which(program) else f"env.command: {program!r} is not a program on PATH"
+
+
+def tail(path: Path) -> str:
+    """The last TAIL characters of a file (empty when it is missing)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4 * TAIL))
+            return f.read().decode("utf-8", "replace")[-TAIL:]
+    except OSError:
+        return ""
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL every process of the group ``pid`` leads (gone already: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+async def run_agent(argv: list[str], folder: Path, logs: Path, env: dict[str, str], timeout: float) -> Exit:
+    """Run ``argv`` in ``folder`` (stdout and stderr to ``logs``.stdout/.stderr) for at most
+    ``timeout`` seconds; its process group is killed when it ends either way."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    out, err = logs.with_suffix(".stdout"), logs.with_suffix(".stderr")
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=folder,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,  # its own process group: killed whole
+            )
+        except OSError as exc:
+            return Exit(None, False, "", "", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+    timed_out = False
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        timed_out = True
+    finally:
+        kill_group(proc.pid)  # the agent's children too, also when it exited on its own
+        if proc.returncode is None:
+            await proc.wait()
+    code = None if timed_out else proc.returncode
+    return Exit(code, timed_out, tail(out), tail(err), seconds=loop.time() - t0)

@@ -1,0 +1,55 @@
+"""What a harness run left (``HarnessResult``), and its score: the user's reward, checked."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from turnrl.types import Message, Sample, Trajectory
+
+RewardFn = Callable[[Sample, "HarnessResult"], Any]
+
+
+@dataclass
+class HarnessResult:
+    """One agent run, as its reward sees it."""
+
+    branches: list[Trajectory]  # the session's branches, in the order they started
+    exit_code: int | None  # None: it did not start, or was killed at the timeout
+    timed_out: bool
+    stdout: str  # the last characters of what it printed
+    stderr: str
+    folder: Path  # its working folder (removed after scoring unless env.keep_folders)
+    calls: int = 0  # model calls answered
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def messages(self) -> list[Message]:
+        """The final conversation: the last branch's messages (empty when the agent never called)."""
+        return self.branches[-1].messages if self.branches else []
+
+
+class RewardError(ValueError):
+    """The reward raised, or returned something that is not a score."""
+
+
+def branch_rewards(fn: RewardFn, sample: Sample, result: HarnessResult) -> list[float] | None:
+    """Per branch, its reward: ``fn``'s float for every branch, its list (one per branch), or None
+    (the run is left out). ``RewardError`` says in one line what was wrong."""
+    try:
+        value = fn(sample, result)
+    except Exception as exc:
+        raise RewardError(f"the reward raised {type(exc).__name__}: {exc}") from None
+    if value is None:
+        return None
+    n = len(result.branches)
+    values = list(value) if isinstance(value, list | tuple) else [value] * n
+    if len(values) != n:
+        raise RewardError(f"the reward returned {len(values)} values for {n} branches")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise RewardError(f"the reward returned {v!r}: a finite number is needed")
+    return [float(v) for v in values]

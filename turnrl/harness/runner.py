@@ -1,0 +1,225 @@
+"""One harness run per sample and group member: an isolated folder, the agent started with its
+session's URL and key, waited for within its timeout, its session's branches scored and returned as
+trajectories (``HarnessRunner`` is the rollout spec's ``runner``).
+
+Every branch of a run carries the run's stop reason (``agent_done``; ``agent_error`` for a crash, a
+non-zero exit, an agent that never called; ``agent_timeout``; ``token_budget`` when the session's
+call budget ran out), its own reward, and ``info["run_reward"]`` for the group's baseline, which is
+over runs, not branches. A failed run is not scored: its branches keep reward 0 with the failure as
+their stop reason, and training leaves them out. Branches not to train (``reinforce``,
+``skip_system``, a reward of None) say why in ``info["exclude"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.config import HarnessConfig
+from turnrl.gateway.config import GatewayConfig
+from turnrl.gateway.server import Gateway
+from turnrl.harness.process import Exit, argv_for, run_agent
+from turnrl.harness.result import HarnessResult, RewardError, RewardFn, branch_rewards
+from turnrl.harness.serving import Served, serve
+from turnrl.rollout.episode import failed_trajectory
+from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.imports import import_object
+from turnrl.tools.parser_base import ToolParser
+from turnrl.types import Engine, Sample, StopReason, Trajectory
+
+
+class HarnessRunner:
+    """Runs the agent of ``config`` against ``engine`` through a gateway it serves on loopback."""
+
+    def __init__(
+        self,
+        config: HarnessConfig,
+        engine: Engine,
+        encoder: ChatEncoder,
+        parser: ToolParser | None,
+        model: str,
+        out_dir: Path,
+    ) -> None:
+        self.config = config
+        gateway_config = GatewayConfig(
+            model=model,
+            max_session_tokens=config.max_session_tokens,
+            max_session_calls=config.max_calls,
+            any_model=True,  # the agent keeps the model name it has
+            output_dir=str(out_dir / "harness"),
+        )
+        self.gateway = Gateway(engine, encoder, parser, gateway_config)
+        self.reward: RewardFn = import_object(config.reward, "env.reward")
+        self.setup = import_object(config.setup, "env.setup") if config.setup else None
+        self.skip = [re.compile(pattern) for pattern in config.skip_system]
+        self.root = out_dir / "harness" if config.keep_folders else Path(tempfile.mkdtemp(prefix="turnrl-"))
+        self.served: Served | None = None
+
+    async def url(self) -> str:
+        """The gateway's base URL (started on first use)."""
+        if self.served is None:
+            self.served = await serve(self.gateway)
+        return self.served.url
+
+    async def close(self) -> None:
+        """Stop the gateway; remove the runs' folders unless they are kept."""
+        if self.served is not None:
+            await self.served.close()
+            self.served = None
+        if not self.config.keep_folders:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    async def __call__(self, sample: Sample, index: int, spec: RolloutSpec) -> list[Trajectory]:
+        """Run the agent once for ``sample`` (group member ``index``): its branches, scored."""
+        name = f"{_safe(sample.id)}-{index}-{uuid.uuid4().hex[:8]}"
+        run_dir = self.root / name
+        folder = run_dir / "work"
+        session = self.gateway.session(name)
+        session.sampling = spec.sampling
+        try:
+            self._prepare(sample, run_dir, folder)
+            exit = await run_agent(
+                argv_for(self.config.command, _prompt(sample)),
+                folder,
+                run_dir / "agent",
+                self._environment(await self.url(), name, run_dir, folder),
+                self.config.timeout_s,
+            )
+            return self._score(sample, index, name, exit, folder)
+        except Exception as exc:  # the folder or the setup hook failed: the run did not happen
+            error = f"the harness run could not start: {type(exc).__name__}: {exc}"
+            return [failed_trajectory(sample, index, error, StopReason.AGENT_ERROR)]
+        finally:
+            self.gateway.sessions.pop(name, None)
+            if not self.config.keep_folders:
+                shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _prepare(self, sample: Sample, run_dir: Path, folder: Path) -> None:
+        """The run's folder (a copy of ``env.folder``, or empty), prepared by ``env.setup``; the row
+        beside it as JSON."""
+        run_dir.mkdir(parents=True)
+        if self.config.folder:
+            shutil.copytree(self.config.folder, folder, symlinks=True)
+        else:
+            folder.mkdir()
+        row = asdict(sample)
+        (run_dir / "sample.json").write_text(json.dumps(row, default=str), encoding="utf-8")
+        if self.setup is not None:
+            self.setup(sample, folder)
+
+    def _environment(self, url: str, name: str, run_dir: Path, folder: Path) -> dict[str, str]:
+        """This process's variables, ``env.env`` (``{openai_base_url}``, ``{anthropic_base_url}``,
+        ``{api_key}``, ``{folder}`` filled in), and the session's URL and key for every client."""
+        fill = {
+            "openai_base_url": f"{url}/s/{name}/v1",
+            "anthropic_base_url": f"{url}/s/{name}",
+            "api_key": name,
+            "folder": str(folder),
+        }
+        own = {key: value.format(**fill) for key, value in self.config.env.items()}
+        session = {
+            "OPENAI_BASE_URL": fill["openai_base_url"],
+            "OPENAI_API_KEY": name,
+            "ANTHROPIC_BASE_URL": fill["anthropic_base_url"],
+            "ANTHROPIC_API_KEY": name,
+            "TURNRL_MODEL": self.gateway.model,
+            "TURNRL_SESSION": name,
+            "TURNRL_SAMPLE": str(run_dir / "sample.json"),
+        }
+        return {**os.environ, **session, **own}
+
+    def _score(self, sample: Sample, index: int, name: str, exit: Exit, folder: Path) -> list[Trajectory]:
+        """The run's branches as trajectories, with its stop reason and rewards."""
+        session = self.gateway.session(name)
+        branches = [_as_member(b.trajectory(name), sample, index) for b in session.branches]
+        result = HarnessResult(
+            branches, exit.code, exit.timed_out, exit.stdout, exit.stderr, folder, session.calls
+        )
+        stop, error = _ending(exit, result, self.config.timeout_s, session.over_budget)
+        if not branches:
+            return [failed_trajectory(sample, index, error or "the agent never called the model", stop)]
+        run_info = {"exit_code": exit.code, "seconds": round(exit.seconds, 3), "calls": session.calls}
+        for traj in branches:
+            traj.stop_reason, traj.error = stop, error
+            traj.info["run"] = run_info
+        if stop in (StopReason.AGENT_DONE, StopReason.TOKEN_BUDGET):
+            self._reward(sample, result)
+        self._select(branches)
+        return branches
+
+    def _reward(self, sample: Sample, result: HarnessResult) -> None:
+        """Score the branches with the user's reward; a raise or a bad value ends them as
+        internal_error (a bug in a hook), a None leaves them out of training."""
+        try:
+            rewards = branch_rewards(self.reward, sample, result)
+        except RewardError as exc:
+            for traj in result.branches:
+                traj.stop_reason, traj.error = StopReason.INTERNAL_ERROR, f"env.reward: {exc}"
+            return
+        if rewards is None:
+            for traj in result.branches:
+                traj.info["exclude"] = "reward_none"
+            return
+        run_reward = statistics.fmean(rewards)
+        for traj, reward in zip(result.branches, rewards, strict=True):
+            traj.reward = reward
+            traj.info["run_reward"] = run_reward
+
+    def _select(self, branches: list[Trajectory]) -> None:
+        """Mark the branches not to train: all but the last with ``reinforce: last``, and those whose
+        system prompt matches ``skip_system``."""
+        for i, traj in enumerate(branches):
+            system = next((str(m.get("content")) for m in traj.messages if m.get("role") == "system"), "")
+            last_only = self.config.reinforce == "last" and i != len(branches) - 1
+            if last_only or any(p.search(system) for p in self.skip):
+                traj.info.setdefault("exclude", "not_reinforced")
+
+
+def _ending(
+    exit: Exit, result: HarnessResult, timeout: float, over_budget: bool
+) -> tuple[StopReason, str | None]:
+    """The run's stop reason and error line."""
+    last = (exit.stderr.strip().splitlines() or [""])[-1][-300:]
+    said = f": {last}" if last else ""
+    if exit.error is not None:
+        return StopReason.AGENT_ERROR, exit.error
+    if exit.timed_out:
+        killed = f"the agent ran past env.timeout_s {timeout:g} s and was killed{said}"
+        return StopReason.AGENT_TIMEOUT, killed
+    if over_budget:
+        return StopReason.TOKEN_BUDGET, f"the agent made {result.calls} calls, its limit (env.max_calls)"
+    if not result.branches:
+        return StopReason.AGENT_ERROR, f"the agent never called the model (exit code {exit.code}){said}"
+    if exit.code != 0:
+        return StopReason.AGENT_ERROR, f"the agent exited with code {exit.code}{said}"
+    return StopReason.AGENT_DONE, None
+
+
+def _as_member(traj: Trajectory, sample: Sample, index: int) -> Trajectory:
+    """A branch as member ``index`` of ``sample``'s group (its id names the branch)."""
+    traj.id = f"{sample.id}/{index}" + (f"/{traj.info['branch']}" if traj.info["branch"] else "")
+    traj.group_id, traj.sample_index, traj.data_source = sample.id, index, sample.data_source
+    return traj
+
+
+def _prompt(sample: Sample) -> str:
+    """The row's last user message, as text."""
+    user = [m for m in sample.prompt if m.get("role") == "user"]
+    content: Any = user[-1].get("content", "") if user else ""
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def _safe(text: str) -> str:
+    """``text`` as a URL path segment (letters, digits, ``._-``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:64] or "run"

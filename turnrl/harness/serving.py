@@ -1,0 +1,47 @@
+"""A gateway served over HTTP on loopback inside the running event loop (uvicorn on a free port),
+beside the rollout engine it shares with the training run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import uvicorn
+
+from turnrl.gateway.routes import make_app
+from turnrl.gateway.server import Gateway
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals to the run it serves inside (Ctrl-C stops the run)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Served:
+    """A started server: its base URL, and ``close``."""
+
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], url: str) -> None:
+        self.server, self.task, self.url = server, task, url
+
+    async def close(self) -> None:
+        """Stop serving."""
+        self.server.should_exit = True
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def serve(gateway: Gateway, host: str = "127.0.0.1") -> Served:
+    """Serve ``gateway`` on a free port of ``host`` in this loop; returns once it listens."""
+    config = uvicorn.Config(make_app(gateway), host, 0, log_level="warning", lifespan="off")
+    server = _Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task  # raises why it could not start
+            raise RuntimeError("the harness gateway stopped before it listened")
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return Served(server, task, f"http://{host}:{port}")
