@@ -5,6 +5,7 @@ and ``turnrl train`` on a harness, end to end."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import subprocess
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import yaml
 from gateway_fixtures import Recorder, assert_exact
 
 from turnrl.chat.encoder import ChatEncoder
@@ -53,7 +55,7 @@ def runner_for(
 
 
 def run_once(runner: HarnessRunner, sample: Sample = SAMPLE, index: int = 0) -> list[Trajectory]:
-    spec: Any = SimpleNamespace(sampling=SamplingParams(max_tokens=64, seed=1))
+    spec: Any = SimpleNamespace(sampling=SamplingParams(max_tokens=64, seed=1), engine=runner.gateway.engine)
 
     async def go() -> list[Trajectory]:
         try:
@@ -178,10 +180,58 @@ def test_a_reward_of_none_leaves_the_run_out_and_says_why(
     assert not kept and left_out == {"reward_none": 1}
 
 
+def call_agent(sample: dict[str, Any], folder: Path) -> None:
+    """An agent given as a Python callable: one call, its reply written to the folder."""
+    from openai import OpenAI
+
+    reply = OpenAI().chat.completions.create(model="any", messages=sample["prompt"], max_tokens=8)
+    (folder / "answer.txt").write_text(reply.choices[0].message.content or "")
+
+
+def test_an_agent_given_as_a_python_callable_runs_in_a_process_of_its_own(
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}")
+    runner, _ = runner_for(
+        qwen3_tokenizer, tmp_path, ["<answer>42</answer>"], command="test_harness:call_agent"
+    )
+    [traj] = run_once(runner)
+    assert traj.stop_reason == StopReason.AGENT_DONE and traj.reward == 1.0
+    assert traj.messages[0] == SAMPLE.prompt[0]
+
+
+def bash(command: str) -> str:
+    call = json.dumps({"name": "bash", "arguments": {"command": command}})
+    return f"<think>\nNext step.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
+
+
+def test_the_mini_swe_agent_cli_unchanged_fixes_a_toy_repository_in_one_exact_branch(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    env = yaml.safe_load((LOOKUP / "train_mini_swe.yaml").read_text())["env"]
+    env["folder"] = str(ROOT / env["folder"])
+    replies = [
+        bash("printf 'def add(a, b):\\n    return a + b\\n' > calc.py"),
+        bash("python test_calc.py && echo passed"),
+        bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"),
+    ]
+    runner, engine = runner_for(qwen3_tokenizer, tmp_path, replies, setup=None, **env)
+    [traj] = run_once(runner, Sample("calc/0", [{"role": "user", "content": "Make test_calc.py pass."}]))
+    assert traj.stop_reason == StopReason.AGENT_DONE, f"{traj.error}"
+    assert traj.reward == 1.0  # the test passes in the folder mini-swe-agent worked in
+    assert traj.info["run"]["calls"] == 3 and traj.info["reason"] == "first"
+    assert_exact(traj, engine.seen)
+    outputs = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert "passed" in outputs[1]
+    assert (
+        (ROOT / env["folder"] / "calc.py").read_text().endswith("raise NotImplementedError\n")
+    )  # a copy was used
+
+
 def test_a_command_that_does_not_exist_is_one_line() -> None:
     assert (
         check_command(["no-such-agent-xyz", "run"])
-        == "env.command: 'no-such-agent-xyz' is not a program on PATH"
+        == f"env.command: 'no-such-agent-xyz' is not a program on PATH nor beside {sys.executable}"
     )
     assert (
         check_command("agent")
@@ -234,16 +284,24 @@ def test_reinforce_last_and_skip_system_mark_the_branches_not_to_train(
     assert all(t.info["exclude"] == "not_reinforced" for t in run_once(runner))
 
 
-def turnrl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+def turnrl(
+    *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
     command = [sys.executable, "-m", "turnrl.cli", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
+def small(out: Path) -> list[str]:
+    """The harness example, made small: tiny-qwen3, one step of 2 prompts, 4 demonstrations."""
+    sets = [f"output_dir={out}", "model=tiny-qwen3", "train.steps=1", "train.prompts_per_step=2"]
+    sets += ["eval.every=0", "warm_start.data.kwargs.size=4", "warm_start.epochs=1"]
+    return [arg for value in sets for arg in ("--set", value)]
+
+
 def test_turnrl_train_runs_an_unchanged_agent_and_trains_on_its_sessions(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    sets = ["--set", f"output_dir={out}", "--set", "train.steps=1", "--set", "eval.every=0"]
-    done = turnrl("train", "examples/harness/train_lookup.yaml", *sets)
+    done = turnrl("train", "examples/harness/train_lookup.yaml", *small(out))
     assert done.returncode == 0, done.stderr[-3000:]
     from turnrl.rollout.collector import read_trajectories
 
@@ -252,13 +310,42 @@ def test_turnrl_train_runs_an_unchanged_agent_and_trains_on_its_sessions(tmp_pat
     assert all(t.stop_reason == StopReason.AGENT_DONE and t.info["session"] for t in trajs)
     assert all(t.prompt_ids and any(t.loss_mask) for t in trajs)
     assert turnrl("validate", str(out)).returncode == 0
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    # the 4 demonstrations were replayed through the agent itself, each rewarded, then trained on
+    assert first["warm_start/demos"] == 4 and first["warm_start/demo_turns"] == 2
 
 
 def test_a_run_where_every_agent_failed_exits_non_zero(tmp_path: Path) -> None:
     out = tmp_path / "run"
     agent = str(AGENTS / "stubborn_agent.py")
-    sets = ["--set", f"output_dir={out}", "--set", "train.steps=1", "--set", "eval.every=0"]
-    sets += ["--set", f"env.command=[python, {agent}, crash]"]
+    sets = [*small(out), "--set", f"env.command=[python, {agent}, crash]", "--set", "warm_start=null"]
     done = turnrl("train", "examples/harness/train_lookup.yaml", *sets)
     assert done.returncode == 1
-    assert "agent_error x8, first: the agent exited with code 3: giving up" in " ".join(done.stderr.split())
+    said = " ".join(done.stderr.split())
+    assert "trajectories ended in an error" in said
+    assert "most: agent_error x" in said and "first: the agent exited with code 3: giving up" in said
+
+
+def test_turnrl_train_with_an_agent_that_does_not_exist_stops_at_once_with_one_line(tmp_path: Path) -> None:
+    sets = [*small(tmp_path / "run"), "--set", "env.command=[no-such-agent-xyz, run]"]
+    done = turnrl("train", "examples/harness/train_lookup.yaml", *sets)
+    assert done.returncode == 2
+    assert "env.command: 'no-such-agent-xyz' is not a program on PATH" in done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_overlapped_training_keeps_agents_running_while_the_trainer_steps(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    sets = [*small(out), "--set", "warm_start=null", "--set", "train.steps=3", "--set", "train.overlap=true"]
+    sets += ["--set", "algorithm.max_staleness=1", "--set", "env.reward=varied_reward:reward"]
+    path = f"{AGENTS}:{os.environ.get('PYTHONPATH', '')}"
+    done = turnrl("train", "examples/harness/train_lookup.yaml", *sets, env={"PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all("async/staleness_max" in r for r in records) and sum(r["train/samples"] for r in records) > 0
+    from turnrl.rollout.collector import read_trajectories
+
+    trajs = [t for step in (1, 2, 3) for t in read_trajectories(out / "rollouts" / f"step_{step:06d}.jsonl")]
+    versions = {v for t in trajs for v in t.policy_versions if v >= 0}
+    assert versions >= {0, 1}  # each token carries the weight version the gateway's engine sampled it with

@@ -356,3 +356,23 @@ def test_prefixes_are_shared_only_where_every_layer_caches_plain_keys_and_values
     assert shares_prefixes(model)
     hybrid = SimpleNamespace(get_decoder=lambda: SimpleNamespace(config=Qwen3NextConfig(num_hidden_layers=4)))
     assert not shares_prefixes(hybrid)
+
+
+def test_an_agent_runs_branches_share_their_trunk_not_only_the_groups_prompt() -> None:
+    """Two runs of one prompt (20 tokens), each with two branches forked after a trunk of 50 more:
+    each run's branches are a cluster sharing 70 tokens (runs 70 + 2 x 10 = 90 tokens each, 180),
+    not one cluster of four sharing the prompt's 20 (20 + 4 x 60 = 260)."""
+    from turnrl.train.batch import TrainSample, prefix_clusters
+
+    def sample(ids: list[int]) -> TrainSample:
+        return TrainSample(ids, [1] * len(ids), [0.0] * len(ids), [1.0] * len(ids))
+
+    prompt = list(range(1, 21))
+    runs = [[100 + 1000 * r + k for k in range(50)] for r in range(2)]
+    branches = [
+        sample(prompt + trunk + [5000 + 10 * b + k for k in range(10)]) for trunk in runs for b in range(2)
+    ]
+    clusters = prefix_clusters(branches, 16)
+    assert [(len(c), shared) for c, shared in clusters] == [(2, 70), (2, 70)]
+    plain = [sample(prompt + [7000 + 10 * i + k for k in range(30)]) for i in range(3)]  # a GRPO group
+    assert [(len(c), shared) for c, shared in prefix_clusters(plain, 16)] == [(3, 20)]

@@ -325,6 +325,9 @@ class HarnessConfig(Strict):
     """A session's model calls: the next one is refused (HTTP 400), and the run ends as token_budget."""
     max_session_tokens: int = Field(32768, ge=16)
     """A branch's tokens never exceed this: a call that would is refused (context length)."""
+    tool_parser: str | None = None
+    """The tool-call format replies are parsed with (hermes, llama3_json...; None: the one the
+    model's chat template names, if any): for a model taught a format its template does not render."""
     reinforce: Literal["all", "last"] = "all"
     """Which branches of a session are trained: every one, or only the last one started."""
     skip_system: list[str] = Field(default_factory=list)

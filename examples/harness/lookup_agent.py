@@ -17,8 +17,9 @@ from pathlib import Path
 
 from openai import OpenAI
 
-SYSTEM = (
-    "You find secret codes with the lookup tool. First call it with the key. "
+SYSTEM = (  # written for a small model: the tool-call format spelled out
+    "You find secret codes with the lookup tool. First call it, exactly like this:\n"
+    '<tool_call>{"name": "lookup", "arguments": {"key": "the key"}}</tool_call>\n'
     "Then reply with the code it returns as <answer>code</answer>."
 )
 TOOLS = [

@@ -82,6 +82,8 @@ async def evaluate_config(
             task = bar.add_task("eval", total=total, reward="-", failed=0)
 
             def on_done(traj: Trajectory) -> None:
+                if traj.info.get("branch", 0):  # an agent harness run's later branch: the run counted
+                    return
                 if traj.stop_reason in FAILURES:  # its 0 says nothing of the model
                     failed.append(traj)
                 else:

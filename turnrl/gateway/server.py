@@ -126,12 +126,13 @@ class Gateway:
             )
             return sampling.for_request(sampling.max_tokens, seed)
 
+        engine = self.sessions[name].engine or self.engine
         await self._open.wait()
         self._generating += 1
         try:
             return list(
                 await asyncio.gather(
-                    *(self.engine.generate(prompt, seeded(k), images, session=where) for k in range(n))
+                    *(engine.generate(prompt, seeded(k), images, session=where) for k in range(n))
                 )
             )
         except asyncio.CancelledError:
@@ -157,7 +158,7 @@ class Gateway:
             self._open.set()
 
     def _commit(self, session: Session, plan: Plan, gen: Generation, seconds: float) -> Reply:
-        versions = list(gen.versions or [weight_version(self.engine)] * len(gen.token_ids))
+        versions = list(gen.versions or [weight_version(session.engine or self.engine)] * len(gen.token_ids))
         reply = session.commit(plan, gen, seconds, versions)
         if self.log is not None:
             self.log.write(call_record(session.name, plan, gen, reply, versions))

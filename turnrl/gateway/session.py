@@ -31,7 +31,7 @@ from turnrl.rollout.episode import Episode
 from turnrl.rollout.record import ResponseRecord
 from turnrl.tools.base import ParseResult
 from turnrl.tools.parser_base import ToolParser, split_reasoning
-from turnrl.types import Generation, Sample, SamplingParams, StopReason, Trajectory
+from turnrl.types import Engine, Generation, Sample, SamplingParams, StopReason, Trajectory
 from turnrl.vision.buffer import MultimodalBuffer, first_images
 from turnrl.vision.content import count_images
 
@@ -191,6 +191,7 @@ class Session:
         self.parser = parser
         self.branches: list[Branch] = []
         self.sampling: SamplingParams | None = None  # the session's own sampling (None: the gateway's)
+        self.engine: Engine | None = None  # the session's own engine (None: the gateway's)
         self.over_budget = False  # a call was refused past the call budget
 
     @property

@@ -34,7 +34,7 @@ def argv_for(command: list[str] | str, prompt: str) -> list[str]:
     folder; or a "module:function" run by ``python -m turnrl.harness.call``."""
     if isinstance(command, str):
         return [sys.executable, "-m", "turnrl.harness.call", command]
-    argv = [sys.executable if command[0] == "python" else command[0]]
+    argv = [program_path(command[0])]
     for part in command[1:]:
         argv.append(str(Path(part).resolve()) if Path(part).is_file() else part.replace("{prompt}", prompt))
     return argv
@@ -49,11 +49,22 @@ def check_command(command: list[str] | str) -> str | None:
     if not command:
         return "env.command is empty"
     program = command[0]
-    if program == "python":
-        return None
     if os.sep in program:
         return None if os.access(program, os.X_OK) else f"env.command: {program!r} is not an executable file"
-    return None if shutil.which(program) else f"env.command: {program!r} is not a program on PATH"
+    if os.sep in program_path(program) or shutil.which(program):
+        return None
+    return f"env.command: {program!r} is not a program on PATH nor beside {sys.executable}"
+
+
+def program_path(program: str) -> str:
+    """``python`` as this interpreter; a program of this environment (a console script beside the
+    interpreter, such as an agent's CLI installed with turnrl) by its path when PATH lacks it."""
+    if program == "python":
+        return sys.executable
+    beside = Path(sys.executable).parent / program
+    if os.sep not in program and not shutil.which(program) and os.access(beside, os.X_OK):
+        return str(beside)
+    return program
 
 
 def tail(path: Path) -> str:

@@ -34,6 +34,7 @@ from turnrl.rollout.episode import failed_trajectory
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.imports import import_object
 from turnrl.tools.parser_base import ToolParser
+from turnrl.tools.parsers import get_parser
 from turnrl.types import Engine, Sample, StopReason, Trajectory
 
 
@@ -57,6 +58,8 @@ class HarnessRunner:
             any_model=True,  # the agent keeps the model name it has
             output_dir=str(out_dir / "harness"),
         )
+        if config.tool_parser:
+            parser = get_parser(config.tool_parser)
         self.gateway = Gateway(engine, encoder, parser, gateway_config)
         self.reward: RewardFn = import_object(config.reward, "env.reward")
         self.setup = import_object(config.setup, "env.setup") if config.setup else None
@@ -84,7 +87,7 @@ class HarnessRunner:
         run_dir = self.root / name
         folder = run_dir / "work"
         session = self.gateway.session(name)
-        session.sampling = spec.sampling
+        session.sampling, session.engine = spec.sampling, spec.engine  # a warm start's replay: scripted
         try:
             self._prepare(sample, run_dir, folder)
             exit = await run_agent(

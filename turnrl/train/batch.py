@@ -313,15 +313,20 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def prefix_clusters(samples: Sequence[TrainSample], min_tokens: int) -> list[tuple[list[TrainSample], int]]:
     """The samples in clusters that begin with the same at least ``min_tokens`` tokens (a GRPO
-    group's prompt; in ``turn`` mode also a trajectory's earlier turns), each with the number of
-    tokens its members share; a sample that shares too little with any other is a cluster of one
-    (sharing 0). In token order, so samples that share most are neighbours."""
+    group's prompt; in ``turn`` mode also a trajectory's earlier turns; an agent harness run's
+    branches, its trunk), each with the number of tokens its members share; a sample that shares
+    too little with any other is a cluster of one (sharing 0). In token order, so samples that
+    share most are neighbours. A sample joins the cluster before it when that runs fewer tokens
+    than starting its own: a cluster of n sharing s runs ``sum(lengths) - (n - 1) s`` tokens, so
+    branches that share a long trunk are not merged with another run's at the prompt's length."""
     out: list[tuple[list[TrainSample], int]] = []
     for sample in sorted(samples, key=lambda s: s.input_ids):
         if out:
-            cluster = out[-1][0]
+            cluster, shared = out[-1]
             common = common_prefix(cluster[0].input_ids, sample.input_ids)  # falls as the order moves on
-            if common >= min_tokens:
+            if common >= min_tokens and (
+                len(cluster) == 1 or len(cluster) * common > (len(cluster) - 1) * shared
+            ):
                 cluster.append(sample)
                 out[-1] = (cluster, common)
                 continue

@@ -10,7 +10,6 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from turnrl.config import (
     DataConfig,
     EnvConfig,
-    HarnessConfig,
     HFEngineConfig,
     RolloutConfig,
     RunSections,
@@ -306,8 +305,6 @@ class TrainConfig(RunSections):
             raise ValueError(
                 "rollout.group_size must be at least 2: advantages compare a prompt's trajectories"
             )
-        if self.train.overlap and isinstance(self.env, HarnessConfig):
-            raise ValueError("train.overlap does not run an agent harness yet: set train.overlap false")
         if self.train.overlap and self.algorithm.max_staleness < 1:
             raise ValueError(
                 "train.overlap rolls out while the trainer steps, so tokens are one version old or more: "

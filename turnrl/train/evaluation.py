@@ -90,13 +90,27 @@ def _row(source: str, groups: list[list[Trajectory]], ks: Sequence[int], pass_re
     return row
 
 
+def one_per_run(trajs: Sequence[Trajectory]) -> list[Trajectory]:
+    """Each run once: an agent harness run's branches (``info["session"]``) count as one
+    trajectory with the run's reward (``info["run_reward"]``), as pass@k counts attempts."""
+    out: list[Trajectory] = []
+    seen: set[tuple[str, int]] = set()
+    for traj in trajs:
+        if "session" not in traj.info:
+            out.append(traj)
+        elif (traj.group_id, traj.sample_index) not in seen:
+            seen.add((traj.group_id, traj.sample_index))
+            out.append(dataclasses.replace(traj, reward=float(traj.info.get("run_reward", traj.reward))))
+    return out
+
+
 def eval_rows(
     trajs: Sequence[Trajectory], ks: Sequence[int] = (1,), pass_reward: float = 1.0
 ) -> list[EvalRow]:
     """One row per data source (sorted), then the ``ALL`` row; empty for no trajectories. pass@k is
     given for each ``k`` that every prompt has enough trajectories for."""
     groups: dict[str, list[Trajectory]] = {}
-    for traj in trajs:
+    for traj in one_per_run(trajs):
         groups.setdefault(traj.group_id, []).append(traj)
     by_source: dict[str, list[list[Trajectory]]] = {}
     for group in groups.values():

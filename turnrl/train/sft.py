@@ -2,12 +2,14 @@
 
 A demonstration is the list of assistant texts of one episode (``demos(sample) -> [str, ...]``).
 Each is replayed by a ``ScriptedEngine`` through the same turn loop, env and chat encoding as
-the rollouts, so the warm-start tokens are laid out exactly as the model will later see them.
+the rollouts (for an agent harness: through the agent and its gateway session, as its runs go), so
+the warm-start tokens are laid out exactly as the model will later see them.
 Only demonstrations the env rewards (``reward > 0``) are kept.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import random
@@ -30,6 +32,8 @@ from turnrl.train.logprobs import token_logprobs
 from turnrl.train.progress import TrainProgress
 from turnrl.types import Sample, Trajectory
 
+REPLAYS_AT_ONCE = 8  # an agent harness's demonstrations replayed concurrently (each is a process)
+
 Demos = Callable[[Sample], Sequence[str]]
 """The assistant texts of one demonstrated episode of a sample."""
 
@@ -40,15 +44,24 @@ async def replay(
     spec: RolloutSpec,
     on_done: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
-    """Each sample's demonstration played through the env, under the rollout's limits."""
+    """Each sample's demonstration played through the env, under the rollout's limits (through the
+    agent itself for an agent harness: its branches)."""
     tokenizer: Any = spec.encoder.template.tokenizer
-    out = []
-    for sample in samples:
-        engine = ScriptedEngine(tokenizer, list(demos(sample)), logprob=0.0)
-        out.append(await run_trajectory(sample, dataclasses.replace(spec, engine=engine)))
-        if on_done is not None:
-            on_done(out[-1])
-    return out
+    gate = asyncio.Semaphore(REPLAYS_AT_ONCE if spec.runner else 1)
+
+    async def one(sample: Sample) -> list[Trajectory]:
+        async with gate:
+            engine = ScriptedEngine(tokenizer, list(demos(sample)), logprob=0.0)
+            scripted = dataclasses.replace(spec, engine=engine)
+            if spec.runner is not None:
+                played = await spec.runner(sample, 0, scripted)
+            else:
+                played = [await run_trajectory(sample, scripted)]
+            if on_done is not None:
+                on_done(played[-1])
+            return played
+
+    return [traj for played in await asyncio.gather(*(one(s) for s in samples)) for traj in played]
 
 
 async def demonstrations(samples: Sequence[Sample], demos: Demos, spec: RolloutSpec) -> list[Trajectory]:

@@ -1,0 +1,98 @@
+"""An agent harness against the same task written as a turnrl ``Env`` (goal: ≥0.9× tokens/s).
+
+The task is key lookup (``turnrl.env.builtin.key_lookup``): a tool call, the tool's answer, the
+code. Both sides roll out the same prompts with the same engine (the embedded one), sampling and
+group size, through ``turnrl.rollout.collector.collect``:
+- env: ``KeyLookupEnv``, turn by turn in turnrl's loop;
+- harness: ``examples/harness/lookup_agent.py`` (the plain openai SDK), one process per group
+  member in its own folder, its calls served by the harness's gateway on loopback.
+Throughput is sampled tokens per wall second (and trajectories per second); the two alternate,
+``--repeats`` times each, and the ratio is of medians. Use a model that calls the tool (the
+warm-started checkpoint of ``examples/harness/train_lookup.yaml``) for two-turn episodes.
+
+    .venv/bin/python bench/harness_vs_env.py [--model smollm2-135m] [--prompts 8] [--group 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from turnrl.app.engines import hf_engine
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.config import HarnessConfig
+from turnrl.data import to_samples
+from turnrl.env.builtin.key_lookup import KeyLookupEnv
+from turnrl.harness import HarnessRunner
+from turnrl.rollout.collector import collect
+from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.imports import add_search_path
+from turnrl.tools.parsers import get_parser
+from turnrl.types import Limits, SamplingParams, Trajectory
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tokens(trajs: list[Trajectory]) -> int:
+    return sum(sum(t.loss_mask) for t in trajs)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    add_search_path(ROOT / "examples" / "harness")
+    engine = hf_engine(args.model)
+    encoder = ChatEncoder(engine.tokenizer)
+    samples = to_samples(KeyLookupEnv.dataset(size=args.prompts, seed=5), "bench", None, True)
+    spec = RolloutSpec(
+        env_factory=KeyLookupEnv,
+        engine=engine,
+        encoder=encoder,
+        sampling=SamplingParams(temperature=1.0, max_tokens=40, seed=0),
+        limits=Limits(max_turns=3, max_context_tokens=512),
+        check="disable",
+    )
+    harness = HarnessConfig(
+        kind="harness",
+        command=["python", str(ROOT / "examples" / "harness" / "lookup_agent.py"), "{prompt}"],
+        setup="lookup_task:setup",
+        reward="lookup_task:reward",
+        tool_parser="hermes",
+    )
+    out = Path(tempfile.mkdtemp(prefix="turnrl-bench-"))
+    runner = HarnessRunner(harness, engine, encoder, get_parser("hermes"), args.model, out)
+    sides = {"env": spec, "harness": dataclasses.replace(spec, runner=runner)}
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    for repeat in range(args.repeats + 1):  # the first round warms both up and is not counted
+        for name, side in sides.items():
+            t0 = time.perf_counter()
+            trajs = await collect(samples, side, group_size=args.group, concurrency=64)
+            wall = time.perf_counter() - t0
+            turns = statistics.fmean(t.num_turns for t in trajs)
+            reward = statistics.fmean(t.reward for t in trajs)
+            print(
+                f"  [{repeat}] {name:<8} {len(trajs):3d} trajectories, {tokens(trajs):5d} sampled tokens, "
+                f"{wall:6.2f} s, {tokens(trajs) / wall:7.1f} tok/s, {turns:.2f} turns, reward {reward:.2f}",
+                flush=True,
+            )
+            if repeat:
+                rates[name].append(tokens(trajs) / wall)
+    await runner.close()
+    await engine.close()
+    env, har = statistics.median(rates["env"]), statistics.median(rates["harness"])
+    print(f"{args.model}, {args.prompts} prompts x {args.group}, median of {args.repeats} (sampled tok/s):")
+    print(f"  env       {env:8.1f}\n  harness   {har:8.1f}\nharness / env: {har / env:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
