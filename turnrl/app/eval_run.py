@@ -15,6 +15,7 @@ from turnrl.app.parts import RunError, build_spec, env_inputs, env_name, load_sa
 from turnrl.app.preflight import check_inputs, check_template
 from turnrl.app.run import SERVERS
 from turnrl.rollout.failures import FAILURES
+from turnrl.rollout.spec import close_runner
 from turnrl.support.run_folder import release
 from turnrl.train.config import TrainConfig
 from turnrl.train.evaluation import EVAL_SEED_OFFSET, EvalRow, report_table, run_eval
@@ -103,9 +104,7 @@ async def evaluate_config(
             )
     finally:
         release(out_dir)
-        close_runner = getattr(spec.runner, "close", None)  # an agent harness's gateway
-        if close_runner is not None:
-            await close_runner()
+        await close_runner(spec)  # an agent harness's gateway
         await engine.close()
         shutdown = getattr(env_factory, "shutdown", None)
         if callable(shutdown):

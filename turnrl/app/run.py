@@ -20,7 +20,7 @@ from turnrl.rollout.codec import json_line
 from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recover
 from turnrl.rollout.failures import FAILURES, check_failures
 from turnrl.rollout.metrics import summarize, turn_record
-from turnrl.rollout.spec import RolloutSpec, TurnHook
+from turnrl.rollout.spec import RolloutSpec, TurnHook, close_runner
 from turnrl.support.run_folder import FAILED, drop_aside, put_back, release
 from turnrl.types import Sample, Trajectory, Turn
 
@@ -162,9 +162,7 @@ async def run_prepared(prepared: Prepared, console: Console | None = None) -> di
                     skip=skip,
                 )
             finally:
-                close_runner = getattr(prepared.spec.runner, "close", None)  # an agent harness's gateway
-                if close_runner is not None:
-                    await close_runner()
+                await close_runner(prepared.spec)  # an agent harness's gateway
                 await prepared.spec.engine.close()
                 if turn_writer:
                     turn_writer.close()

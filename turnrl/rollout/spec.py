@@ -37,6 +37,14 @@ Runner = Callable[[Sample, int, "RolloutSpec"], Awaitable[list[Trajectory]]]
 """Runs group member k of a sample its own way (an agent harness run) and returns its trajectories
 (the branches of its session), all with that sample index."""
 
+
+async def close_runner(spec: RolloutSpec) -> None:
+    """Stop what the spec's runner holds (an agent harness's gateway), if it has a ``close``."""
+    close = getattr(spec.runner, "close", None)
+    if close is not None:
+        await close()
+
+
 TurnHook = Callable[[Sample, int, int, Turn], None]
 """Called with (sample, sample_index, turn_index, turn) as each turn completes."""
 
