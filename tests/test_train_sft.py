@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,3 +79,76 @@ async def test_lookup_tool_is_forgiving_about_quotes_and_case(key: str) -> None:
     tool = lookup_tool({"apple": "1234"})
     out = await tool.execute("i", {"key": key})
     assert "1234" in str(out)
+
+
+def frozen_below(model: torch.nn.Module, cut: int) -> None:
+    for name, param in model.named_parameters():
+        layer = name.split("layers.")[1].split(".")[0] if "layers." in name else None
+        param.requires_grad_(layer is not None and int(layer) >= cut)
+
+
+async def key_lookup_demos(model_dir: Path, size: int) -> list[Any]:
+    samples = to_samples(KeyLookupEnv.dataset(size=size), "test")
+    return await demonstrations(samples, demonstration, spec(load_tokenizer(str(model_dir))))
+
+
+async def test_a_frozen_trunk_runs_once_and_trains_the_same(tiny_qwen3_dir: Path) -> None:
+    """The demo model's forward: the frozen layers' output is kept from the first epoch, and the
+    next epochs give the same logprobs and the same updates as the whole model run again."""
+    from turnrl.app.demo_model import FrozenTrunk
+
+    trajs = await key_lookup_demos(tiny_qwen3_dir, 6)
+    runs = []
+    for trunk in (None, 2):
+        torch.manual_seed(0)
+        model = load_model(str(tiny_qwen3_dir))
+        frozen_below(model, 2)
+        forward = FrozenTrunk(model, trunk) if trunk is not None else None
+        losses = sft_epochs(
+            model, trajs, epochs=3, batch_size=4, lr=3e-3, micro_batch_tokens=4096, chunk_size=256,
+            seed=0, forward=forward,
+        )  # fmt: skip
+        runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}, forward))
+    (plain, plain_weights, _), (kept, kept_weights, trunk_forward) = runs
+    assert isinstance(trunk_forward, FrozenTrunk) and len(trunk_forward.kept) == len(trajs)
+    assert plain[-1] < plain[0] and kept == pytest.approx(plain, rel=1e-4)
+    for name, value in plain_weights.items():
+        assert torch.allclose(kept_weights[name], value, atol=1e-5), name
+
+
+async def test_sft_resumes_where_it_was_interrupted(tiny_qwen3_dir: Path) -> None:
+    """An interrupted run continued from its last checkpoint (weights, optimizer, losses) ends with
+    the same losses and weights as one that never stopped."""
+    from turnrl.train.sft import SftState
+
+    trajs = await key_lookup_demos(tiny_qwen3_dir, 6)
+    options: dict[str, Any] = dict(
+        epochs=2, batch_size=2, lr=3e-3, micro_batch_tokens=4096, chunk_size=256, seed=0
+    )
+
+    def fresh() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = load_model(str(tiny_qwen3_dir))
+        frozen_below(model, 2)
+        return model
+
+    whole = fresh()
+    losses = sft_epochs(whole, trajs, **options)
+    saved: list[tuple[SftState, dict[str, torch.Tensor]]] = []
+
+    def checkpoint(state: SftState) -> None:
+        saved.append((copy.deepcopy(state), {n: p.detach().clone() for n, p in cut.named_parameters()}))
+        if len(state.losses) == 4:
+            raise KeyboardInterrupt
+
+    cut = fresh()
+    with pytest.raises(KeyboardInterrupt):
+        sft_epochs(cut, trajs, **options, checkpoint=checkpoint)
+    state, weights = saved[-1]
+    resumed = fresh()
+    with torch.no_grad():
+        for name, param in resumed.named_parameters():
+            param.copy_(weights[name])
+    assert sft_epochs(resumed, trajs, **options, resume=state) == pytest.approx(losses, rel=1e-5)
+    for (name, param), other in zip(whole.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.allclose(param, other, atol=1e-6), name

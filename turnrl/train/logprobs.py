@@ -131,13 +131,6 @@ def token_logprobs(
     runs them once, then every row's rest on their keys and values (see ``_shared_hidden_states``).
     """
     _check_plain_head(model)
-    batch, length = input_ids_B_T.shape
-    want_B_T = (
-        positions_B_T.bool()
-        if positions_B_T is not None
-        else torch.ones_like(input_ids_B_T, dtype=torch.bool)
-    )
-    want_B_S = want_B_T[:, 1:]  # S = T - 1: the hidden state at s predicts the token at s + 1
     device = input_ids_B_T.device.type
     with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         if shared_prefix and not multimodal and position_ids_B_T is None:
@@ -146,6 +139,31 @@ def token_logprobs(
             hidden_B_T_H = _hidden_states(
                 model, input_ids_B_T, attention_mask_B_T, multimodal, position_ids_B_T
             )
+    return hidden_logprobs(
+        model, hidden_B_T_H, input_ids_B_T, positions_B_T,
+        temperature=temperature, chunk_size=chunk_size, autocast=autocast, keep_mib=keep_mib,
+    )  # fmt: skip
+
+
+def hidden_logprobs(
+    model: PreTrainedModel,
+    hidden_B_T_H: torch.Tensor,
+    input_ids_B_T: torch.Tensor,
+    positions_B_T: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    autocast: torch.dtype | None = None,
+    keep_mib: float = 0.0,
+) -> torch.Tensor:
+    """``token_logprobs`` from the body's last hidden states (``hidden_B_T_H``), through the head."""
+    batch, length = input_ids_B_T.shape
+    want_B_T = (
+        positions_B_T.bool()
+        if positions_B_T is not None
+        else torch.ones_like(input_ids_B_T, dtype=torch.bool)
+    )
+    want_B_S = want_B_T[:, 1:]  # S = T - 1: the hidden state at s predicts the token at s + 1
     hidden_N_H = hidden_B_T_H[:, :-1][want_B_S]
     targets_N = input_ids_B_T[:, 1:][want_B_S]
     head = model.get_output_embeddings()

@@ -25,7 +25,7 @@ from turnrl.engines.scripted import ScriptedEngine
 from turnrl.rollout.loop import run_trajectory
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.imports import import_object
-from turnrl.train.batch import batches_of, build_samples, packs
+from turnrl.train.batch import TrainSample, batches_of, build_samples, packs
 from turnrl.train.config import TrainConfig
 from turnrl.train.data_parallel import clip_gradients
 from turnrl.train.logprobs import token_logprobs
@@ -36,6 +36,15 @@ REPLAYS_AT_ONCE = 8  # an agent harness's demonstrations replayed concurrently (
 
 Demos = Callable[[Sample], Sequence[str]]
 """The assistant texts of one demonstrated episode of a sample."""
+
+
+@dataclasses.dataclass
+class SftState:
+    """Where ``sft_epochs`` stands after a step: the optimizer's state and the loss of every step
+    so far (their count is the steps done)."""
+
+    optimizer: dict[str, Any]
+    losses: list[float]
 
 
 async def replay(
@@ -84,21 +93,37 @@ def sft_epochs(
     forward: Callable[..., torch.Tensor] | None = None,
     grad_scale: float = 1.0,
     packed: bool = False,
+    resume: SftState | None = None,
+    checkpoint: Callable[[SftState], None] | None = None,
+    length_window: int = 0,
 ) -> list[float]:
     """AdamW on the token-mean negative log-likelihood of the model tokens; the loss of each step.
     ``forward`` computes the logprobs (default ``token_logprobs`` of ``model``; a sharded policy's
     root under FSDP); each loss is multiplied by ``grad_scale`` before its backward pass; ``packed``:
-    micro-batches as packed rows (see ``batches_of``); ``keep_mib``: see ``token_logprobs``."""
+    micro-batches as packed rows (see ``batches_of``); ``keep_mib``: see ``token_logprobs``.
+    ``checkpoint`` is given the state after every step; ``resume`` continues from one (the model's
+    trainable weights already restored by the caller): its steps are skipped, in the same order.
+    ``length_window``: after each epoch's shuffle, every run of that many batches is sorted by length,
+    so that a batch pads its rows to less (0: not sorted)."""
     logprobs = forward or functools.partial(token_logprobs, model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if resume is not None:
+        optimizer.load_state_dict(resume.optimizer)
     samples = build_samples("trajectory", trajs, [[0.0] * t.num_turns for t in trajs])
     rng = random.Random(seed)
-    losses = []
+    losses = list(resume.losses) if resume is not None else []
+    step = 0
     for _ in range(epochs):
         order = list(samples)
         rng.shuffle(order)
+        if length_window:
+            span = length_window * batch_size
+            order = [x for i in range(0, len(order), span) for x in sorted(order[i : i + span], key=_length)]
         for start in range(0, len(order), batch_size):
+            step += 1
+            if step <= len(losses):  # done before the resume
+                continue
             parts = batches_of(order[start : start + batch_size], micro_batch_tokens, 0, packed)
             batches = [b.to(model.device) for b in parts]
             tokens = float(sum(b.num_tokens for b in batches))
@@ -123,7 +148,13 @@ def sft_epochs(
             losses.append(total)
             if on_step is not None:
                 on_step()
+            if checkpoint is not None:
+                checkpoint(SftState(optimizer.state_dict(), list(losses)))
     return losses
+
+
+def _length(sample: TrainSample) -> int:
+    return len(sample.input_ids)
 
 
 async def warm_start(
