@@ -104,7 +104,8 @@ class HFEngineConfig(Strict):
     prefix_cache_tokens: int = Field(32768, ge=0)
     """Tokens of KV kept between a trajectory's turns (0: re-prefill every turn)."""
     num_threads: int | None = Field(None, ge=1)
-    """torch threads for the engine (None: torch's default)."""
+    """torch threads for the engine (None: torch's default, one per core). On a machine where other
+    processes keep cores busy, fewer: two threads on one free core wait on each other every step."""
     packed_weights: bool | None = None
     """Serve linear layers from oneDNN-packed weights (None: on CPU in float32/bfloat16)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -167,24 +167,26 @@ def _write(out: Path, say: Callable[[str], None]) -> None:
             _save_partial(model, state)
             saved[0] = time.perf_counter()
 
-    fit_threads()
-    with _heartbeat(say, where, every_s=PROGRESS_EVERY_S, first=True):
-        losses = sft_epochs(
-            model,
-            trajs,
-            epochs=RECIPE.epochs,
-            batch_size=RECIPE.batch_size,
-            lr=RECIPE.lr,
-            micro_batch_tokens=4096,
-            chunk_size=256,
-            seed=RECIPE.seed,
-            on_step=step,
-            forward=FrozenTrunk(model, RECIPE.trunk),
-            resume=resume,
-            checkpoint=checkpoint,
-            length_window=RECIPE.length_window,
-        )
-    torch.set_num_threads(most)
+    try:
+        fit_threads()
+        with _heartbeat(say, where, every_s=PROGRESS_EVERY_S, first=True):
+            losses = sft_epochs(
+                model,
+                trajs,
+                epochs=RECIPE.epochs,
+                batch_size=RECIPE.batch_size,
+                lr=RECIPE.lr,
+                micro_batch_tokens=4096,
+                chunk_size=256,
+                seed=RECIPE.seed,
+                on_step=step,
+                forward=FrozenTrunk(model, RECIPE.trunk),
+                resume=resume,
+                checkpoint=checkpoint,
+                length_window=RECIPE.length_window,
+            )
+    finally:
+        torch.set_num_threads(most)  # the rest of a run that built it first
     say(f"demo model: loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)")
     model.eval()
     model.save_pretrained(out)
