@@ -38,7 +38,7 @@ from turnrl.models.files import build_once
 from turnrl.models.loading import load_model, load_tokenizer
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.cache import cache_dir
-from turnrl.support.cpus import FreeCpus
+from turnrl.support.cpus import ThreadFit
 from turnrl.support.imports import import_object
 from turnrl.train.logprobs import hidden_logprobs
 from turnrl.train.sft import SftState, demonstrations, sft_epochs
@@ -117,7 +117,7 @@ def _write(out: Path, say: Callable[[str], None]) -> None:
     import torch
 
     t0 = time.perf_counter()
-    free = FreeCpus()  # what other processes leave: measured from here on
+    fit = ThreadFit(PROGRESS_EVERY_S)  # what other processes leave: measured from here on
     tokenizer = load_tokenizer(RECIPE.base)
     trajs: list[Trajectory] = []
     for game in GAMES:
@@ -144,17 +144,10 @@ def _write(out: Path, say: Callable[[str], None]) -> None:
         eta = f", about {left:.0f} s left" if left is not None else ""
         return f"demo model: SFT step {done[0]}/{steps} ({now - t0:.0f} s{eta})"
 
-    most, threads, measured = torch.get_num_threads(), [0], [0.0]
-
     def fit_threads() -> None:  # on a busy machine, threads that wait on each other are slower than one
-        if time.perf_counter() - measured[0] >= PROGRESS_EVERY_S:
-            measured[0] = time.perf_counter()
-            cpus = free.measure()
-            if (fit := max(1, min(most, round(cpus)))) != threads[0]:
-                torch.set_num_threads(fit)
-                plural = "s" * (fit > 1)
-                say(f"demo model: {fit} compute thread{plural} ({cpus:.1f} of {free.cpus} CPUs free)")
-                threads[0] = fit
+        if (cpus := fit()) is not None:
+            plural = "s" * (fit.threads > 1)
+            say(f"demo model: {fit.threads} compute thread{plural} ({cpus:.1f} of {fit.free.cpus} CPUs free)")
 
     def step() -> None:
         done[0] += 1
@@ -186,7 +179,7 @@ def _write(out: Path, say: Callable[[str], None]) -> None:
                 length_window=RECIPE.length_window,
             )
     finally:
-        torch.set_num_threads(most)  # the rest of a run that built it first
+        fit.restore()  # the rest of a run that built it first
     say(f"demo model: loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)")
     model.eval()
     model.save_pretrained(out)

@@ -39,3 +39,38 @@ class FreeCpus:
         wall = (machine[1] - before[1]) / self.cpus / os.sysconf("SC_CLK_TCK")
         others = busy_share * self.cpus - (own - own_before) / max(wall, 1e-3)
         return min(float(self.cpus), max(0.0, self.cpus - max(0.0, others)))
+
+
+class ThreadFit:
+    """Keeps the calling thread's torch compute threads at the CPUs other processes leave free
+    (at least 1, at most torch's count when made), checked at most every ``every_s`` seconds."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        import torch
+
+        self.free = FreeCpus()
+        self.most = torch.get_num_threads()
+        self.every_s = every_s
+        self.threads = 0  # not set yet
+        self._checked = -float("inf")
+
+    def __call__(self) -> float | None:
+        """Check when due and set the threads; the free CPUs when the count changed, else None."""
+        import torch
+
+        if time.perf_counter() - self._checked < self.every_s:
+            return None
+        self._checked = time.perf_counter()
+        cpus = self.free.measure()
+        fit = max(1, min(self.most, round(cpus)))
+        if fit == self.threads:
+            return None
+        torch.set_num_threads(fit)
+        self.threads = fit
+        return cpus
+
+    def restore(self) -> None:
+        """Back to the threads torch had."""
+        import torch
+
+        torch.set_num_threads(self.most)
