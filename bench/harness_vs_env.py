@@ -5,7 +5,9 @@ code. Both sides roll out the same prompts with the same engine (the embedded on
 group size, through ``turnrl.rollout.collector.collect``:
 - env: ``KeyLookupEnv``, turn by turn in turnrl's loop;
 - harness: ``examples/harness/lookup_agent.py`` (the plain openai SDK), one process per group
-  member in its own folder, its calls served by the harness's gateway on loopback.
+  member in its own folder, its calls served by the harness's gateway on loopback;
+- forked: the same with ``env.preload: [openai]``, each run forked from a process that imported
+  the SDK once.
 Throughput is sampled tokens per wall second (and trajectories per second); the two alternate,
 ``--repeats`` times each, and the ratio is of medians. Use a model that calls the tool (the
 warm-started checkpoint of ``examples/harness/train_lookup.yaml``) for two-turn episodes.
@@ -71,7 +73,13 @@ async def main() -> None:
     )
     out = Path(tempfile.mkdtemp(prefix="turnrl-bench-"))
     runner = HarnessRunner(harness, engine, encoder, get_parser("hermes"), args.model, out)
-    sides = {"env": spec, "harness": dataclasses.replace(spec, runner=runner)}
+    preloaded = harness.model_copy(update={"preload": ["openai"]})
+    forked = HarnessRunner(preloaded, engine, encoder, get_parser("hermes"), args.model, out / "forked")
+    sides = {
+        "env": spec,
+        "harness": dataclasses.replace(spec, runner=runner),
+        "forked": dataclasses.replace(spec, runner=forked),
+    }
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for repeat in range(args.repeats + 1):  # the first round warms both up and is not counted
         for name, side in sides.items():
@@ -88,10 +96,14 @@ async def main() -> None:
             if repeat:
                 rates[name].append(tokens(trajs) / wall)
     await runner.close()
+    await forked.close()
     await engine.close()
-    env, har = statistics.median(rates["env"]), statistics.median(rates["harness"])
+    env = statistics.median(rates["env"])
     print(f"{args.model}, {args.prompts} prompts x {args.group}, median of {args.repeats} (sampled tok/s):")
-    print(f"  env       {env:8.1f}\n  harness   {har:8.1f}\nharness / env: {har / env:.2f}")
+    print(f"  env       {env:8.1f}")
+    for name in ("harness", "forked"):
+        rate = statistics.median(rates[name])
+        print(f"  {name:<9} {rate:8.1f}   {name} / env: {rate / env:.2f}")
 
 
 if __name__ == "__main__":

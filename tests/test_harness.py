@@ -66,11 +66,14 @@ def run_once(runner: HarnessRunner, sample: Sample = SAMPLE, index: int = 0) -> 
     return asyncio.run(go())
 
 
+@pytest.mark.parametrize("preload", [[], ["openai"]], ids=["process", "forked"])
 def test_an_openai_sdk_agent_is_one_exact_branch_scored_by_its_reward(
-    qwen3_tokenizer: Any, tmp_path: Path
+    qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]
 ) -> None:
     command = ["python", str(LOOKUP / "lookup_agent.py"), "{prompt}"]
-    runner, engine = runner_for(qwen3_tokenizer, tmp_path, [CALL, "<answer>42</answer>"], command=command)
+    runner, engine = runner_for(
+        qwen3_tokenizer, tmp_path, [CALL, "<answer>42</answer>"], command=command, preload=preload
+    )
     [traj] = run_once(runner)
     assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
     assert traj.reward == 1.0  # the agent looked alpha up in its folder's codes.json and wrote 42
@@ -106,11 +109,14 @@ def test_a_compacting_agent_leaves_two_branches_each_with_its_own_reward(
         ("loop", StopReason.TOKEN_BUDGET, "the agent made 3 calls, its limit (env.max_calls)"),
     ],
 )
+@pytest.mark.parametrize("preload", [[], ["openai"]], ids=["process", "forked"])
 def test_a_misbehaving_agent_ends_with_a_stop_reason_of_its_own(
-    qwen3_tokenizer: Any, tmp_path: Path, mode: str, stop: StopReason, said: str
+    qwen3_tokenizer: Any, tmp_path: Path, mode: str, stop: StopReason, said: str, preload: list[str]
 ) -> None:
     command = ["python", str(AGENTS / "stubborn_agent.py"), mode]
-    runner, _ = runner_for(qwen3_tokenizer, tmp_path, ["Hi."] * 10, command=command, max_calls=3)
+    runner, _ = runner_for(
+        qwen3_tokenizer, tmp_path, ["Hi."] * 10, command=command, max_calls=3, preload=preload
+    )
     trajs = run_once(runner)
     assert {t.stop_reason for t in trajs} == {stop}
     assert trajs[0].error == said
@@ -122,11 +128,16 @@ def test_a_misbehaving_agent_ends_with_a_stop_reason_of_its_own(
     )
 
 
-def test_a_timeout_kills_the_agent_and_everything_it_started(qwen3_tokenizer: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("preload", [[], ["openai"]], ids=["process", "forked"])
+def test_a_timeout_kills_the_agent_and_everything_it_started(
+    qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]
+) -> None:
     pid_file = tmp_path / "child.pid"
     command = ["python", str(AGENTS / "stubborn_agent.py"), "sleep"]
     env = {"PID_FILE": str(pid_file)}
-    runner, _ = runner_for(qwen3_tokenizer, tmp_path / "runs", [], command=command, timeout_s=3, env=env)
+    runner, _ = runner_for(
+        qwen3_tokenizer, tmp_path / "runs", [], command=command, timeout_s=3, env=env, preload=preload
+    )
     t0 = time.monotonic()
     [traj] = run_once(runner)
     assert time.monotonic() - t0 < 30
@@ -137,6 +148,8 @@ def test_a_timeout_kills_the_agent_and_everything_it_started(qwen3_tokenizer: An
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child)  # the agent's child is gone from the process table too
+    if runner.forks is not None:  # and the fork server, once the runner closed
+        assert runner.forks.pid is not None and not _alive(runner.forks.pid)
 
 
 def _alive(pid: int) -> bool:
@@ -180,6 +193,52 @@ def test_a_reward_of_none_leaves_the_run_out_and_says_why(
     assert not kept and left_out == {"reward_none": 1}
 
 
+def test_a_forked_run_sees_what_a_new_process_would(
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork server's runs: own folder, argv, sys.path[0], variables, stdin, process group,
+    stdout and stderr, as a new ``python`` process's; a preloaded module that prints is not heard."""
+    import lookup_task
+
+    monkeypatch.setenv("PYTHONPATH", f"{AGENTS}:{os.environ.get('PYTHONPATH', '')}")
+    tails: list[tuple[str, str]] = []
+    monkeypatch.setattr(lookup_task, "reward", lambda s, r: tails.append((r.stdout, r.stderr)) or 1.0)
+    command = ["python", str(AGENTS / "probe_agent.py"), "{prompt}"]
+    seen = {}
+    for name, preload in (("process", []), ("forked", ["openai", "noisy_module"])):
+        probe = tmp_path / f"{name}.json"
+        env = {"PROBE_FILE": str(probe), "PROBE_VAR": name}
+        runner, engine = runner_for(
+            qwen3_tokenizer, tmp_path / name, ["Hi."], command=command, env=env, preload=preload
+        )
+        [traj] = run_once(runner)
+        assert traj.stop_reason == StopReason.AGENT_DONE and traj.reward == 1.0, traj.error
+        assert_exact(traj, engine.seen)
+        seen[name] = json.loads(probe.read_text())
+        assert seen[name].pop("var") == name
+        assert Path(seen[name].pop("cwd")).name == "work"  # the run's own folder
+    assert seen["forked"] == seen["process"]
+    assert seen["forked"]["leader"] and seen["forked"]["argv"][1] == SAMPLE.prompt[0]["content"]
+    assert tails == [("to stdout\n", "to stderr\n")] * 2
+
+
+def test_a_preload_that_cannot_import_is_one_line(qwen3_tokenizer: Any, tmp_path: Path) -> None:
+    from turnrl.harness.process import check_preload
+
+    assert check_preload(["openai", "json"]) is None
+    assert check_preload(["no_such_module_xyz"]) == (
+        f"env.preload: no module named 'no_such_module_xyz' in {sys.executable}'s environment"
+    )
+    add_search_path(AGENTS)
+    command = ["python", str(LOOKUP / "lookup_agent.py"), "{prompt}"]
+    runner, _ = runner_for(qwen3_tokenizer, tmp_path, [], command=command, preload=["broken_module"])
+    [traj] = run_once(runner)  # found, but raises when imported: the run did not start
+    assert traj.stop_reason == StopReason.AGENT_ERROR
+    assert traj.error and traj.error.endswith(
+        "env.preload: 'broken_module' did not import: RuntimeError: broken on purpose"
+    )
+
+
 def call_agent(sample: dict[str, Any], folder: Path) -> None:
     """An agent given as a Python callable: one call, its reply written to the folder."""
     from openai import OpenAI
@@ -188,12 +247,13 @@ def call_agent(sample: dict[str, Any], folder: Path) -> None:
     (folder / "answer.txt").write_text(reply.choices[0].message.content or "")
 
 
+@pytest.mark.parametrize("preload", [[], ["openai"]], ids=["process", "forked"])
 def test_an_agent_given_as_a_python_callable_runs_in_a_process_of_its_own(
-    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preload: list[str]
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}")
     runner, _ = runner_for(
-        qwen3_tokenizer, tmp_path, ["<answer>42</answer>"], command="test_harness:call_agent"
+        qwen3_tokenizer, tmp_path, ["<answer>42</answer>"], command="test_harness:call_agent", preload=preload
     )
     [traj] = run_once(runner)
     assert traj.stop_reason == StopReason.AGENT_DONE and traj.reward == 1.0

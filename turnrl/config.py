@@ -336,6 +336,14 @@ class HarnessConfig(Strict):
     title generation), counted as train/excluded/not_reinforced."""
     keep_folders: bool = False
     """Keep each run's folder (under OUT/harness/) instead of removing it when the run is scored."""
+    preload: list[str] = Field(default_factory=list)
+    """Modules (``[openai]``) imported once by a fork server that then forks each run of a Python
+    agent (an argv ``[python, agent.py, ...]`` or ``[python, -m, module, ...]``, a console script of
+    this interpreter, or "module:function"), so that no run pays their import time (the openai SDK:
+    ~0.7 s of CPU a run). A forked run has its own process group, folder, variables, output files
+    and exit code, as a new process would. The imports see turnrl's variables and the fixed ones of
+    ``env.env``, not a run's own (its session URL), so a preloaded module must not read those when it
+    is imported. Other commands start as new processes. Empty: every run is a new process."""
 
 
 def _env_kind(value: Any) -> str:

@@ -93,9 +93,9 @@ def check_inputs(env: AnyEnvConfig, samples: Sequence[Sample], factory: EnvFacto
     if not samples:
         raise RunError("no data: the data has no rows")
     check_prompts(samples)
-    from turnrl.harness.process import check_command
+    from turnrl.harness.process import check_command, check_preload
 
-    problem = check_command(env.command)
+    problem = check_command(env.command) or check_preload(env.preload)
     if problem:
         raise RunError(problem)
     for hook, what in ((env.reward, "env.reward"), (env.setup, "env.setup")):

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from turnrl.harness.forkserver import ForkServer, forkable
 
 TAIL = 4000  # characters of stdout and stderr kept in a result
 
@@ -56,6 +60,18 @@ def check_command(command: list[str] | str) -> str | None:
     return f"env.command: {program!r} is not a program on PATH nor beside {sys.executable}"
 
 
+def check_preload(modules: list[str]) -> str | None:
+    """Why a module of ``env.preload`` cannot be imported (one line), or None: it must be found."""
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError) as exc:
+            return f"env.preload: {name!r} cannot be imported: {exc}"
+        if found is None:
+            return f"env.preload: no module named {name!r} in {sys.executable}'s environment"
+    return None
+
+
 def program_path(program: str) -> str:
     """``python`` as this interpreter; a program of this environment (a console script beside the
     interpreter, such as an agent's CLI installed with turnrl) by its path when PATH lacks it."""
@@ -83,33 +99,62 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-async def run_agent(argv: list[str], folder: Path, logs: Path, env: dict[str, str], timeout: float) -> Exit:
+async def run_agent(
+    argv: list[str],
+    folder: Path,
+    logs: Path,
+    env: dict[str, str],
+    timeout: float,
+    forks: ForkServer | None = None,
+) -> Exit:
     """Run ``argv`` in ``folder`` (stdout and stderr to ``logs``.stdout/.stderr) for at most
-    ``timeout`` seconds; its process group is killed when it ends either way."""
+    ``timeout`` seconds, forked by ``forks`` when it is a Python script or module it can run; its
+    process group is killed when it ends either way."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     out, err = logs.with_suffix(".stdout"), logs.with_suffix(".stderr")
-    with out.open("wb") as stdout, err.open("wb") as stderr:
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                cwd=folder,
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=stderr,
-                start_new_session=True,  # its own process group: killed whole
-            )
-        except OSError as exc:
-            return Exit(None, False, "", "", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
-    timed_out = False
+    waited: Callable[[int], Awaitable[int]]
     try:
-        await asyncio.wait_for(proc.wait(), timeout)
+        if forks is not None and (python := forkable(argv)) is not None:
+            out.write_bytes(b"")
+            err.write_bytes(b"")
+            pid = await forks.spawn(python, str(folder), env, str(out), str(err))
+            waited = forks.wait
+        else:
+            pid, waited = await _start(argv, folder, env, out, err)
+    except OSError as exc:
+        return Exit(None, False, "", "", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+    timed_out, code, error = False, None, None
+    try:
+        code = await asyncio.wait_for(waited(pid), timeout)
     except TimeoutError:
         timed_out = True
+    except OSError as exc:  # the fork server went away
+        error = str(exc)
     finally:
-        kill_group(proc.pid)  # the agent's children too, also when it exited on its own
-        if proc.returncode is None:
-            await proc.wait()
-    code = None if timed_out else proc.returncode
-    return Exit(code, timed_out, tail(out), tail(err), seconds=loop.time() - t0)
+        kill_group(pid)  # the agent's children too, also when it exited on its own
+        if code is None and error is None:
+            with contextlib.suppress(OSError):
+                await waited(pid)
+    return Exit(code, timed_out, tail(out), tail(err), error, seconds=loop.time() - t0)
+
+
+async def _start(
+    argv: list[str], folder: Path, env: dict[str, str], out: Path, err: Path
+) -> tuple[int, Callable[[int], Awaitable[int]]]:
+    """A new process for ``argv``: its pid and how to wait for its exit code."""
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=folder,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,  # its own process group: killed whole
+        )
+
+    async def wait(_: int) -> int:
+        return await proc.wait()
+
+    return proc.pid, wait

@@ -27,12 +27,13 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import HarnessConfig
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.server import Gateway
+from turnrl.harness.forkserver import ForkServer
 from turnrl.harness.process import Exit, argv_for, run_agent
 from turnrl.harness.result import HarnessResult, RewardError, RewardFn, branch_rewards
 from turnrl.harness.serving import Served, serve
 from turnrl.rollout.episode import failed_trajectory
 from turnrl.rollout.spec import RolloutSpec
-from turnrl.support.imports import import_object
+from turnrl.support.imports import import_object, search_path
 from turnrl.tools.parser_base import ToolParser
 from turnrl.tools.parsers import get_parser
 from turnrl.types import Engine, Sample, StopReason, Trajectory
@@ -66,6 +67,10 @@ class HarnessRunner:
         self.skip = [re.compile(pattern) for pattern in config.skip_system]
         self.root = out_dir / "harness" if config.keep_folders else Path(tempfile.mkdtemp(prefix="turnrl-"))
         self.served: Served | None = None
+        self.forks = None
+        if config.preload:  # its imports see the variables every run has (env.env's fixed ones)
+            fixed = {key: value for key, value in config.env.items() if "{" not in value}
+            self.forks = ForkServer(config.preload, search_path(), {**os.environ, **fixed})
 
     async def url(self) -> str:
         """The gateway's base URL (started on first use)."""
@@ -74,7 +79,9 @@ class HarnessRunner:
         return self.served.url
 
     async def close(self) -> None:
-        """Stop the gateway; remove the runs' folders unless they are kept."""
+        """Stop the gateway and the fork server; remove the runs' folders unless they are kept."""
+        if self.forks is not None:
+            await self.forks.close()
         if self.served is not None:
             await self.served.close()
             self.served = None
@@ -96,6 +103,7 @@ class HarnessRunner:
                 run_dir / "agent",
                 self._environment(await self.url(), name, run_dir, folder),
                 self.config.timeout_s,
+                self.forks,
             )
             return self._score(sample, index, name, exit, folder)
         except Exception as exc:  # the folder or the setup hook failed: the run did not happen

@@ -27,6 +27,11 @@ def add_search_path(*folders: str | os.PathLike[str]) -> None:
             _SEARCHED.append(path)
 
 
+def search_path() -> list[str]:
+    """The folders ``add_search_path`` added, in order."""
+    return list(_SEARCHED)
+
+
 def _where() -> str:
     """Where a module was looked for, for an error line."""
     folders = ", ".join(_SEARCHED) or str(Path.cwd())

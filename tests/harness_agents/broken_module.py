@@ -1,0 +1,3 @@
+"""A module that fails when it is imported."""
+
+raise RuntimeError("broken on purpose")
