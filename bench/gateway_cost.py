@@ -6,8 +6,10 @@ what is timed is the gateway: reading the request, checking that its messages ex
 (by meaning), delta-encoding the new messages, recording the reply, parsing its tool call, and
 appending the call to ``calls.jsonl`` (synced). Two ways, side by side:
 - in process: ``Gateway.chat`` on the request body (no HTTP);
-- over HTTP: the same requests posted to the server on loopback by an httpx client, minus the same
-  engine time (what an agent sees added to each call).
+- over HTTP: the same requests posted to the server on loopback by an httpx client in a process of
+  its own (as an agent is), minus the same engine time, as the server spends it (from the app's
+  call to its reply's last byte: the gateway's own cost over HTTP) and as the client sees it (with
+  the client's own encoding and decoding of a history that grows).
 
     .venv/bin/python bench/gateway_cost.py [--turns 10 100] [--repeats 3]
 """
@@ -18,6 +20,8 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -115,30 +119,69 @@ def in_process(tokenizer: Any, turns: int, out: Path) -> list[float]:
         gateway.log.close()
 
 
-def over_http(tokenizer: Any, turns: int, out: Path) -> list[float]:
-    """Seconds per call as an HTTP client sees them, engine time removed."""
+class Timed:
+    """An ASGI wrapper that times each request from the app's first call to its response's last byte
+    sent: the server's side of a call (the gateway's own work over HTTP), without the client's."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.seconds: list[float] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        t0 = time.perf_counter()
+
+        async def timed(message: Any) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                self.seconds.append(time.perf_counter() - t0)
+
+        await self.app(scope, receive, timed)
+
+
+def over_http(tokenizer: Any, turns: int, out: Path) -> tuple[list[float], list[float]]:
+    """Seconds per call as the server spends them and as an agent process sees them (an httpx
+    client in a process of its own, as agents are); engine time removed from both."""
     gateway, engine = make_gateway(tokenizer, out)
-    server = uvicorn.Server(uvicorn.Config(make_app(gateway), host="127.0.0.1", port=0, log_level="warning"))
+    app = Timed(make_app(gateway))
+    engine_times: list[float] = []
+    answer = gateway.answer
+
+    async def timed_answer(*args: Any, **kwargs: Any) -> Any:
+        before = engine.inside
+        try:
+            return await answer(*args, **kwargs)
+        finally:
+            engine_times.append(engine.inside - before)
+
+    gateway.answer = timed_answer  # type: ignore[method-assign]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/chat/completions"
-    costs = []
+    seen = out.parent / f"{out.name}.client.json"
     try:
-        with httpx.Client(headers={"Authorization": "Bearer bench"}) as client:
-            messages: list[dict[str, Any]] = [dict(m) for m in START]
-            for _ in range(turns):
-                before, t0 = engine.inside, time.perf_counter()
-                answer = client.post(
-                    url, json={"model": "qwen3", "messages": messages, "tools": TOOLS}
-                ).json()
-                costs.append(time.perf_counter() - t0 - (engine.inside - before))
-                messages = next_messages(messages, answer["choices"][0]["message"])
+        subprocess.run([sys.executable, __file__, "--client", url, str(turns), str(seen)], check=True)
     finally:
         server.should_exit = True
         thread.join(10)
-    return costs
+    client = json.loads(seen.read_text())
+    inside = [a - e for a, e in zip(app.seconds, engine_times, strict=True)]
+    return [c - e for c, e in zip(client, engine_times, strict=True)], inside
+
+
+def client_loop(url: str, turns: int, out: Path) -> None:
+    """The agent's side of ``over_http``: one session's calls, each timed, written to ``out``."""
+    costs = []
+    with httpx.Client(headers={"Authorization": "Bearer bench"}) as client:
+        messages: list[dict[str, Any]] = [dict(m) for m in START]
+        for _ in range(turns):
+            t0 = time.perf_counter()
+            answer = client.post(url, json={"model": "qwen3", "messages": messages, "tools": TOOLS}).json()
+            costs.append(time.perf_counter() - t0)
+            messages = next_messages(messages, answer["choices"][0]["message"])
+    out.write_text(json.dumps(costs))
 
 
 def at_depth(costs: list[float], depth: int, window: int = 5) -> float:
@@ -150,20 +193,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--client", nargs=3, metavar=("URL", "TURNS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client:
+        client_loop(args.client[0], int(args.client[1]), Path(args.client[2]))
+        return
     tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
     longest = max(args.turns)
-    methods = {"in process": in_process, "over HTTP": over_http}
-    runs: dict[str, list[list[float]]] = {name: [] for name in methods}
+    runs: dict[str, list[list[float]]] = {"in process": [], "HTTP, server": [], "HTTP, client": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
-            for name, fn in methods.items():
-                runs[name].append(fn(tokenizer, longest + 1, Path(tmp) / f"{name}-{r}"))
+            runs["in process"].append(in_process(tokenizer, longest + 1, Path(tmp) / f"in-{r}"))
+            client, server = over_http(tokenizer, longest + 1, Path(tmp) / f"http-{r}")
+            runs["HTTP, server"].append(server)
+            runs["HTTP, client"].append(client)
     print(f"gateway cost per call (ms, median of {args.repeats} runs) at call N; engine time removed")
-    print(f"{'method':<12}" + "".join(f"{n:>10}" for n in args.turns))
+    print(f"{'method':<14}" + "".join(f"{n:>10}" for n in args.turns))
     for name, all_costs in runs.items():
         row = [statistics.median(at_depth(c, n) for c in all_costs) for n in args.turns]
-        print(f"{name:<12}" + "".join(f"{v:>10.3f}" for v in row) + f"   flatness {row[-1] / row[0]:.2f}")
+        print(f"{name:<14}" + "".join(f"{v:>10.3f}" for v in row) + f"   flatness {row[-1] / row[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ is a chat of ``--turns`` calls: a user message, the reply, another user message,
   own session), run in a separate process and call the gateway on loopback concurrently;
 - direct: the token prompts the gateway sent to the engine, with the same sampling (seeds
   included), replayed by as many concurrent tasks, each calling ``engine.generate`` in its
-  session's order.
+  session's order, with a session name of its own (turnrl's rollout names its sessions too, and the
+  engine keeps a session's KV between its turns).
 Throughput is sampled tokens per wall second; the two alternate, ``--repeats`` times each, and the
 ratio is of medians.
 
@@ -44,12 +45,12 @@ class Recording:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.calls: dict[str, list[tuple[list[int], SamplingParams]]] = {}
+        self.calls: dict[str, list[tuple[list[int], SamplingParams, str]]] = {}
 
     async def generate(
         self, prompt_ids: Any, sampling: SamplingParams, images: Any = (), *, session: Any = None
     ) -> Generation:
-        self.calls.setdefault(str(session).split("/")[0], []).append((list(prompt_ids), sampling))
+        self.calls.setdefault(str(session).split("/")[0], []).append((list(prompt_ids), sampling, session))
         return await self.engine.generate(prompt_ids, sampling, images, session=session)
 
     async def close(self) -> None:
@@ -127,12 +128,14 @@ def through_gateway(
 
 
 def direct(engine: Any, recording: Recording) -> dict[str, float]:
-    """The recorded calls, replayed on the engine: one task per session, its calls in order."""
+    """The recorded calls, replayed on the engine: one task per session, its calls in order, named by
+    its session as turnrl's rollout names them (so the engine keeps a session's KV between its turns
+    on both sides)."""
 
-    async def session(calls: list[tuple[list[int], SamplingParams]]) -> int:
+    async def session(calls: list[tuple[list[int], SamplingParams, str]]) -> int:
         tokens = 0
-        for prompt, sampling in calls:
-            tokens += len((await engine.generate(prompt, sampling)).token_ids)
+        for prompt, sampling, name in calls:
+            tokens += len((await engine.generate(prompt, sampling, session=f"direct:{name}")).token_ids)
         return tokens
 
     async def run() -> dict[str, float]:

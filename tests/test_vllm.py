@@ -234,7 +234,7 @@ def test_ctrl_c_stops_the_servers_turnrl_started(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cli = [sys.executable, "-m", "turnrl.cli", "rollout", str(ROOT / "examples" / "guess_number.yaml")]
     cli += ["--set", "model=smollm2-135m", "--set", "engine.kind=vllm", "--set", "engine.max_model_len=2048"]
-    cli += ["--set", f"output_dir={out}"]
+    cli += ["--set", f"output_dir={out}", "--set", "data.kwargs.size=200"]  # still going at the signal
     proc = subprocess.Popen(cli, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600

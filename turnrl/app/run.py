@@ -146,7 +146,8 @@ async def run_prepared(prepared: Prepared, console: Console | None = None) -> di
             def on_done(traj: Trajectory) -> None:
                 nonlocal good
                 finished.append(traj)
-                bar.update(task, advance=1, **tally.add(traj))
+                run = not traj.info.get("branch", 0)  # an agent harness run's later branch: counted
+                bar.update(task, advance=int(run), **tally.add(traj))
                 if not good and traj.stop_reason not in FAILURES:
                     good = True
                     drop_aside(prepared.out_dir)  # the run an --overwrite replaced goes only now

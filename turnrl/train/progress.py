@@ -38,8 +38,10 @@ class TrainProgress:
         self._progress.reset(self._trajectories, total=total, description=name, visible=True)
 
     def trajectory_done(self, trajectory: Trajectory) -> None:
-        """One more trajectory of the current phase has finished."""
-        self._progress.advance(self._trajectories)
+        """One more trajectory of the current phase has finished (an agent harness run's later
+        branches are not counted: its run was)."""
+        if not trajectory.info.get("branch", 0):
+            self._progress.advance(self._trajectories)
 
     def advance(self) -> None:
         """One more unit of the current phase (an optimizer step of the warm start) is done."""
