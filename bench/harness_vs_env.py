@@ -6,8 +6,8 @@ group size, through ``turnrl.rollout.collector.collect``:
 - env: ``KeyLookupEnv``, turn by turn in turnrl's loop;
 - harness: ``examples/harness/lookup_agent.py`` (the plain openai SDK), one process per group
   member in its own folder, its calls served by the harness's gateway on loopback;
-- forked: the same with ``env.preload: [openai]``, each run forked from a process that imported
-  the SDK once.
+- forked: the same with ``env.preload: [openai, "turnrl.harness.warm:openai"]``, each run forked
+  from a process that imported the SDK once and made a client.
 Throughput is sampled tokens per wall second (and trajectories per second); the two alternate,
 ``--repeats`` times each, and the ratio is of medians. Use a model that calls the tool (the
 warm-started checkpoint of ``examples/harness/train_lookup.yaml``) for two-turn episodes.
@@ -73,7 +73,7 @@ async def main() -> None:
     )
     out = Path(tempfile.mkdtemp(prefix="turnrl-bench-"))
     runner = HarnessRunner(harness, engine, encoder, get_parser("hermes"), args.model, out)
-    preloaded = harness.model_copy(update={"preload": ["openai"]})
+    preloaded = harness.model_copy(update={"preload": ["openai", "turnrl.harness.warm:openai"]})
     forked = HarnessRunner(preloaded, engine, encoder, get_parser("hermes"), args.model, out / "forked")
     sides = {
         "env": spec,

@@ -205,7 +205,8 @@ def test_a_forked_run_sees_what_a_new_process_would(
     monkeypatch.setattr(lookup_task, "reward", lambda s, r: tails.append((r.stdout, r.stderr)) or 1.0)
     command = ["python", str(AGENTS / "probe_agent.py"), "{prompt}"]
     seen = {}
-    for name, preload in (("process", []), ("forked", ["openai", "noisy_module"])):
+    warm = ["turnrl.harness.warm:openai", "turnrl.harness.warm:anthropic"]
+    for name, preload in (("process", []), ("forked", ["openai", "noisy_module", *warm])):
         probe = tmp_path / f"{name}.json"
         env = {"PROBE_FILE": str(probe), "PROBE_VAR": name}
         runner, engine = runner_for(

@@ -343,7 +343,9 @@ class HarnessConfig(Strict):
     ~0.7 s of CPU a run). A forked run has its own process group, folder, variables, output files
     and exit code, as a new process would. The imports see turnrl's variables and the fixed ones of
     ``env.env``, not a run's own (its session URL), so a preloaded module must not read those when it
-    is imported. Other commands start as new processes. Empty: every run is a new process."""
+    is imported. A "module:function" entry is called once after the imports, a warm-up
+    (``turnrl.harness.warm:openai`` makes and drops an openai client, whose HTTP stack imports on
+    first use). Other commands start as new processes. Empty: every run is a new process."""
 
 
 def _env_kind(value: Any) -> str:

@@ -9,7 +9,8 @@ shares with the server is what was imported before the fork, so a preloaded modu
 run's variables at import time (it saw turnrl's).
 
 ``python -m turnrl.harness.forkserver [--path FOLDER]... MODULE...`` (FOLDER: where else a module may
-be, for its import only) speaks JSON lines: on stdin, one request per run
+be, for its import only; a "module:function" is imported and called once, a warm-up) speaks JSON
+lines: on stdin, one request per run
 (``{"id", "argv", "cwd", "env", "stdout", "stderr"}``, argv being ``[python, script, ...]`` or
 ``[python, -m, module, ...]``); on stdout ``{"ready": true}`` (or ``{"error": ...}``: a module did not
 import) once, then ``{"id", "pid"}`` per fork and ``{"pid", "code"}`` when a run exits (a negative code:
@@ -256,10 +257,14 @@ def main() -> None:
         args = args[2:]
     sys.path.extend(search)
     for name in args:
+        module, _, function = name.partition(":")
         try:
-            importlib.import_module(name)
-        except Exception as exc:  # any failure to import is one line
-            _say({"error": f"env.preload: {name!r} did not import: {type(exc).__name__}: {exc}"})
+            imported = importlib.import_module(module)
+            if function:  # a warm-up, called once
+                getattr(imported, function)()
+        except Exception as exc:  # any failure is one line
+            did = "failed" if function else "did not import"
+            _say({"error": f"env.preload: {name!r} {did}: {type(exc).__name__}: {exc}"})
             sys.exit(2)
     for folder in search:  # a run's own sys.path is a new process's
         sys.path.remove(folder)

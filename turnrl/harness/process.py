@@ -62,7 +62,8 @@ def check_command(command: list[str] | str) -> str | None:
 
 def check_preload(modules: list[str]) -> str | None:
     """Why a module of ``env.preload`` cannot be imported (one line), or None: it must be found."""
-    for name in modules:
+    for entry in modules:
+        name = entry.partition(":")[0]  # "module:function": a warm-up in that module
         try:
             found = importlib.util.find_spec(name)
         except (ImportError, ValueError) as exc:
