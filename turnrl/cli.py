@@ -17,6 +17,7 @@ from types import FrameType
 from rich.console import Console
 
 from turnrl.rollout.failures import RunFailed
+from turnrl.support import stopping
 from turnrl.types import EngineError
 
 USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError, OSError, EngineError)
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(words)
     console = Console(stderr=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    stopping.enforce(lambda: _hint(args))  # a stop that does not finish is forced
     try:
         return int(args.func(args, console))
     except RunFailed as exc:

@@ -17,6 +17,7 @@ from turnrl.app.run import SERVERS
 from turnrl.rollout.failures import FAILURES
 from turnrl.rollout.spec import close_runner
 from turnrl.support.run_folder import release
+from turnrl.support.stopping import bounded_stops
 from turnrl.train.config import TrainConfig
 from turnrl.train.evaluation import EVAL_SEED_OFFSET, EvalRow, report_table, run_eval
 from turnrl.types import Trajectory
@@ -57,6 +58,7 @@ def _progress(console: Console) -> Progress:
     )
 
 
+@bounded_stops  # a Ctrl-C that does not stop the run in time is forced
 async def evaluate_config(
     config: TrainConfig, checkpoint: Path | None, out_dir: Path, console: Console
 ) -> tuple[list[Trajectory], list[EvalRow]]:

@@ -22,6 +22,7 @@ from turnrl.rollout.failures import FAILURES, check_failures
 from turnrl.rollout.metrics import summarize, turn_record
 from turnrl.rollout.spec import RolloutSpec, TurnHook, close_runner
 from turnrl.support.run_folder import FAILED, drop_aside, put_back, release
+from turnrl.support.stopping import bounded_stops
 from turnrl.types import Sample, Trajectory, Turn
 
 TRAJECTORIES = "trajectories.jsonl"
@@ -126,6 +127,7 @@ def _start_output(prepared: Prepared, console: Console) -> list[Trajectory]:
     return done
 
 
+@bounded_stops  # a Ctrl-C that does not stop the run in time is forced
 async def run_prepared(prepared: Prepared, console: Console | None = None) -> dict[str, Any]:
     """Collect every trajectory, writing each as it finishes; return the run summary. Stops with
     ``RunFailed`` (what was written kept) when more than ``rollout.fail_fraction`` of them failed."""

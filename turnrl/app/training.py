@@ -32,6 +32,7 @@ from turnrl.models import ModelSpec, load_model, load_tokenizer, load_vision_pro
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.run_folder import FAILED, put_back, release
+from turnrl.support.stopping import bounded_stops
 from turnrl.train.checkpoint import Resumed, latest, restore_training_state
 from turnrl.train.config import TrainConfig, policy_device
 from turnrl.train.data_parallel import SINGLE, Ranks, barrier, close_ranks, gather, init_ranks, launched_ranks
@@ -50,6 +51,7 @@ def train(
     return asyncio.run(train_async(config, overwrite=overwrite, resume=resume, console=console))
 
 
+@bounded_stops  # a Ctrl-C that does not stop the run in time is forced
 async def train_async(
     config: TrainConfig, *, overwrite: bool = False, resume: bool = False, console: Console | None = None
 ) -> dict[str, Any]:

@@ -1,0 +1,84 @@
+"""A stop that does not finish is forced (``turnrl.support.stopping``): real processes, real signals."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys, threading
+    from turnrl.support import stopping
+
+    stopping.GRACE_S = 1.0
+    stopping.enforce(lambda: "turnrl train x.yaml --resume")
+    blocked = threading.Event()
+
+    @stopping.bounded_stops
+    async def command(kind):
+        if kind == "thread":  # its clean-up waits on a thread that never ends
+            asyncio.get_running_loop().run_in_executor(None, blocked.wait)
+        print("running", flush=True)
+        lost = False
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if lost:
+                    raise
+                lost = True  # the first cancellation is lost (swallowed): the command goes on
+
+    try:
+        asyncio.run(command(sys.argv[1]))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        ("swallowed", "interrupting again"),  # the second interrupt ends it
+        ("thread", "did not stop within 2 s of the signal; exiting (130)"),  # then the process exits
+    ],
+)
+def test_a_stop_that_does_not_finish_is_forced(kind: str, said: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, kind], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "running\n"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and said in err, err
+    assert time.monotonic() - t0 < 15
+    if kind == "thread":  # every thread's stack, to debug; and how to go on
+        assert "Thread 0x" in err and "continue with: turnrl train x.yaml --resume" in err
+    else:
+        assert "interrupted" in err and "did not stop" not in err
+
+
+def test_without_enforce_nothing_changes() -> None:
+    """A library user's process is theirs: no watch, the handler asyncio installs is left alone."""
+    import asyncio
+
+    from turnrl.support import stopping
+
+    @stopping.bounded_stops
+    async def command() -> object:
+        return signal.getsignal(signal.SIGINT)
+
+    assert not stopping._enforced
+    handler = asyncio.run(command())
+    assert not isinstance(handler, stopping._Bounded)

@@ -1,0 +1,95 @@
+"""Every stop is bounded: a Ctrl-C (or SIGTERM, which the CLI turns into one) that has not ended the
+run within a grace period is repeated as a KeyboardInterrupt in the main thread, and when that has
+not ended it either, the process prints every thread's stack and exits 130.
+
+asyncio's own handler turns the first Ctrl-C into a cancellation of the running command, so that it
+stops cleanly (servers stopped, files closed). A cancellation can be lost (a task that swallows it)
+or a clean-up can wait on a thread that waits on the loop; then nothing else would stop the run.
+``bounded_stops`` wraps the handler asyncio installed while a command's coroutine runs.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from types import FrameType
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+GRACE_S = 20.0  # after the signal, before it is repeated; as long again before the process exits
+_enforced = False  # only the CLI forces stops (a library user's process is theirs)
+_hint: Callable[[], str | None] = lambda: None  # noqa: E731 - the command that continues the run
+
+
+def enforce(hint: Callable[[], str | None] | None = None) -> None:
+    """Force stops that do not finish (the CLI's processes; see the module); ``hint``: the command
+    that continues the run, said when the process is made to exit."""
+    global _enforced, _hint
+    _enforced = True
+    if hint is not None:
+        _hint = hint
+
+
+class _Bounded:
+    """A SIGINT handler: the one it wraps, and a watch that bounds how long the stop takes."""
+
+    def __init__(self, inner: Any, grace_s: float) -> None:
+        self.inner, self.grace_s = inner, grace_s
+        self.watching = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.watching:
+            self.watching = True
+            threading.Thread(target=self._watch, name="turnrl-stop-watch", daemon=True).start()
+        self.inner(signum, frame)
+
+    def _watch(self) -> None:
+        time.sleep(self.grace_s)
+        print(
+            f"turnrl: still stopping {self.grace_s:g} s after the signal; interrupting again", file=sys.stderr
+        )
+        main = threading.main_thread().ident
+        if main is not None:  # a real signal wakes a main thread that waits in a system call
+            signal.pthread_kill(main, signal.SIGINT)  # the wrapped handler's second: KeyboardInterrupt
+        time.sleep(self.grace_s)
+        hint = _hint()
+        print(
+            f"turnrl: did not stop within {2 * self.grace_s:g} s of the signal; exiting (130). "
+            "What finished is on disk" + (f"; continue with: {hint}" if hint else "") + ".",
+            file=sys.stderr,
+        )
+        print("turnrl: the threads still running:", file=sys.stderr)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(130)
+
+
+def bounded_stops(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Decorate a command's coroutine: while it runs (inside ``asyncio.run``), the SIGINT handler
+    asyncio installed is wrapped so that a stop that does not finish is forced (see the module); it
+    is put back when the coroutine returns. Unless ``enforce`` was called (the CLI), outside the
+    main thread, or when SIGINT is ignored, nothing changes."""
+
+    @functools.wraps(fn)
+    async def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        current = signal.getsignal(signal.SIGINT)
+        main = threading.current_thread() is threading.main_thread()
+        if not _enforced or not main or not callable(current) or isinstance(current, _Bounded):
+            return await fn(*args, **kwargs)
+        bounded = _Bounded(current, GRACE_S)
+        signal.signal(signal.SIGINT, bounded)
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            if signal.getsignal(signal.SIGINT) is bounded:
+                signal.signal(signal.SIGINT, current)
+
+    return run
