@@ -166,13 +166,16 @@ def test_train_stops_on_a_signal_and_resumes(
     def ignore() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+    def terminal() -> None:  # as in a terminal, however the suite was started (a background job ignores it)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "turnrl.cli", "train", str(path)],
         cwd=tmp_path,
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
-        preexec_fn=ignore if ignore_sigint else None,
+        preexec_fn=ignore if ignore_sigint else terminal,
     )
     try:
         deadline = time.monotonic() + 240

@@ -51,7 +51,11 @@ SCRIPT = textwrap.dedent(
 )
 def test_a_stop_that_does_not_finish_is_forced(kind: str, said: str) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, kind], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", SCRIPT, kind],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as in a terminal
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "running\n"

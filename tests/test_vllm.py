@@ -235,7 +235,14 @@ def test_ctrl_c_stops_the_servers_turnrl_started(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "turnrl.cli", "rollout", str(ROOT / "examples" / "guess_number.yaml")]
     cli += ["--set", "model=smollm2-135m", "--set", "engine.kind=vllm", "--set", "engine.max_model_len=2048"]
     cli += ["--set", f"output_dir={out}", "--set", "data.kwargs.size=200"]  # still going at the signal
-    proc = subprocess.Popen(cli, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cli,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as in a terminal
+    )
     try:
         deadline = time.monotonic() + 600
         while not _started_trajectories(out) and proc.poll() is None and time.monotonic() < deadline:
