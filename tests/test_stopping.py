@@ -64,7 +64,7 @@ def test_a_stop_that_does_not_finish_is_forced(kind: str, said: str) -> None:
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
-        proc.wait()
+        proc.communicate()  # reaped, its pipes closed (an open one warns in a later test)
     assert proc.returncode == 130 and said in err, err
     assert time.monotonic() - t0 < 15
     if kind == "thread":  # every thread's stack, to debug; and how to go on
@@ -73,11 +73,13 @@ def test_a_stop_that_does_not_finish_is_forced(kind: str, said: str) -> None:
         assert "interrupted" in err and "did not stop" not in err
 
 
-def test_without_enforce_nothing_changes() -> None:
+def test_without_enforce_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A library user's process is theirs: no watch, the handler asyncio installs is left alone."""
     import asyncio
 
     from turnrl.support import stopping
+
+    monkeypatch.setattr(stopping, "_enforced", False)  # an earlier test may have run cli.main here
 
     @stopping.bounded_stops
     async def command() -> object:

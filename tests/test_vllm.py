@@ -254,6 +254,9 @@ def test_ctrl_c_stops_the_servers_turnrl_started(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()  # an open pipe would warn in a later test
     assert proc.returncode == 130, output[-2000:]
     assert running(servers) == [], "a vLLM server outlived an interrupted run"
     assert (out / "servers" / "vllm-0.log").is_file()
