@@ -14,6 +14,7 @@ from turnrl.app.output import EVAL, open_output
 from turnrl.app.parts import RunError, build_spec, env_inputs, env_name, load_samples, with_runner
 from turnrl.app.preflight import check_inputs, check_template
 from turnrl.app.run import SERVERS
+from turnrl.rollout.collector import starts_a_run
 from turnrl.rollout.failures import FAILURES
 from turnrl.rollout.spec import close_runner
 from turnrl.support.run_folder import release
@@ -85,7 +86,7 @@ async def evaluate_config(
             task = bar.add_task("eval", total=total, reward="-", failed=0)
 
             def on_done(traj: Trajectory) -> None:
-                if traj.info.get("branch", 0):  # an agent harness run's later branch: the run counted
+                if not starts_a_run(traj):  # an agent harness run's later branch: the run counted
                     return
                 if traj.stop_reason in FAILURES:  # its 0 says nothing of the model
                     failed.append(traj)

@@ -17,7 +17,7 @@ from turnrl.app.parts import RunError, build_spec, env_inputs, load_samples, wit
 from turnrl.app.preflight import check_inputs, check_template
 from turnrl.config import RunConfig
 from turnrl.rollout.codec import json_line
-from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recover
+from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recover, starts_a_run
 from turnrl.rollout.failures import FAILURES, check_failures
 from turnrl.rollout.metrics import summarize, turn_record
 from turnrl.rollout.spec import RolloutSpec, TurnHook, close_runner
@@ -148,8 +148,7 @@ async def run_prepared(prepared: Prepared, console: Console | None = None) -> di
             def on_done(traj: Trajectory) -> None:
                 nonlocal good
                 finished.append(traj)
-                run = not traj.info.get("branch", 0)  # an agent harness run's later branch: counted
-                bar.update(task, advance=int(run), **tally.add(traj))
+                bar.update(task, advance=int(starts_a_run(traj)), **tally.add(traj))
                 if not good and traj.stop_reason not in FAILURES:
                     good = True
                     drop_aside(prepared.out_dir)  # the run an --overwrite replaced goes only now

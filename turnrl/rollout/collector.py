@@ -179,6 +179,12 @@ async def collect(
     return done
 
 
+def starts_a_run(traj: Trajectory) -> bool:
+    """Whether ``traj`` is a group member's first (or only) trajectory: an agent harness run's later
+    branches belong to a run already counted."""
+    return not traj.info.get("branch", 0)
+
+
 def read_trajectories(path: Path) -> list[Trajectory]:
     """Load a trajectories.jsonl file."""
     with path.open(encoding="utf-8") as f:

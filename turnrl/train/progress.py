@@ -7,6 +7,7 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from turnrl.rollout.collector import starts_a_run
 from turnrl.types import Trajectory
 
 
@@ -40,7 +41,7 @@ class TrainProgress:
     def trajectory_done(self, trajectory: Trajectory) -> None:
         """One more trajectory of the current phase has finished (an agent harness run's later
         branches are not counted: its run was)."""
-        if not trajectory.info.get("branch", 0):
+        if starts_a_run(trajectory):
             self._progress.advance(self._trajectories)
 
     def advance(self) -> None:
