@@ -12,7 +12,9 @@ the same work). Sides, one after the other in one run, each repeated:
   environment, sent the same token-id prompts with ``ignore_eos``, all at once.
 
 ``--device cuda`` runs ``generate`` and the engine on the GPU (``--dtype`` both; the packed
-side is CPU-only and left out there); ``--json`` ends with one JSON line of the medians.
+side is CPU-only and left out there): ``embedded`` replays its decode steps from CUDA graphs,
+``embedded, eager`` runs them without (``cuda_graphs: false``). ``--json`` ends with one JSON line
+of the medians.
 
     .venv/bin/python bench/engine_speed.py [--requests 32] [--tokens 128] [--repeats 3] [--vllm]
         [--model smollm2-135m] [--device cpu] [--dtype float32] [--json]
@@ -108,6 +110,35 @@ async def vllm_side(url: str, batch: list[list[int]], tokens: int) -> int:
         return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(batch))))
 
 
+async def graphs_exact(args: argparse.Namespace) -> None:
+    """Greedy generations of the engine with its decode steps replayed from CUDA graphs against the
+    same static steps run eagerly (the same kernels: the tokens must be equal), and against the
+    plain decode path (other kernels: equal but for near ties, reported)."""
+    tokenizer = load_tokenizer(args.model)
+    batch = prompts(tokenizer, args.requests)
+    config = HFEngineConfig(device=args.device, dtype=args.dtype)
+    opts: dict[str, Any] = {"eos_token_ids": [], "max_batch_size": args.requests}
+    runs: dict[str, list[list[int]]] = {}
+    for name in ("graphs", "static, eager", "plain"):
+        engine = hf_engine(args.model, config, cuda_graphs=name != "plain", **opts)
+        if name == "static, eager":
+            engine._scheduler.graphs._capture = False  # type: ignore[union-attr]
+        gens = await asyncio.gather(
+            *(engine.generate(p, SamplingParams(temperature=0.0, max_tokens=args.tokens)) for p in batch)
+        )
+        graphs = engine._scheduler.graphs
+        if name == "graphs":
+            assert graphs is not None and graphs.captured > 0, "no CUDA graph was captured"
+        runs[name] = [list(g.token_ids) for g in gens]
+        await engine.close()
+    same = sum(a == b for a, b in zip(runs["graphs"], runs["static, eager"], strict=True))
+    plain = sum(a == b for a, b in zip(runs["graphs"], runs["plain"], strict=True))
+    print(f"graphs vs the same steps eager: {same}/{len(batch)} rows equal; vs plain decode: {plain}")
+    print(json.dumps({"rows": len(batch), "equal_eager": same, "equal_plain": plain}))
+    if same != len(batch):
+        raise SystemExit("CUDA graph replay differs from the same decode steps run eagerly")
+
+
 async def main_async(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args.model)
     batch = prompts(tokenizer, args.requests)
@@ -116,12 +147,12 @@ async def main_async(args: argparse.Namespace) -> None:
     config = HFEngineConfig(device=args.device, dtype=args.dtype)
     packed = hf_engine(args.model, config, **no_stop)
     cpu = args.device == "cpu"
-    plain = hf_engine(args.model, config, packed_weights=False, **no_stop) if cpu else packed
+    other = {"packed_weights": False} if cpu else {"cuda_graphs": False}
+    plain = hf_engine(args.model, config, **other, **no_stop)
     sides: dict[str, Callable[[], Awaitable[int]]] = {
         "generate": lambda: generate_side(model, tokenizer, batch, args.tokens)
     }
-    if cpu:
-        sides["embedded, plain"] = lambda: engine_side(plain, batch, args.tokens)
+    sides["embedded, plain" if cpu else "embedded, eager"] = lambda: engine_side(plain, batch, args.tokens)
     sides["embedded"] = lambda: engine_side(packed, batch, args.tokens)
     vllm = None
     if args.vllm:
@@ -138,7 +169,7 @@ async def main_async(args: argparse.Namespace) -> None:
     try:
         if vllm is not None:  # warm-ups: a small call each
             await vllm_side(url, batch[:2], 4)
-        await engine_side(packed, batch[:2], 4)
+        await engine_side(packed, batch, 4)  # every bucket of the running batch (CUDA graphs)
         await engine_side(plain, batch[:2], 4)
         await generate_side(model, tokenizer, batch[:2], 4)
         for repeat in range(args.repeats):
@@ -152,8 +183,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 print(f"  [{repeat + 1}] {name:<16} {made} tok, {seconds:6.2f}s, {rate:6.1f} tok/s")
     finally:
         await packed.close()
-        if plain is not packed:
-            await plain.close()
+        await plain.close()
         if vllm is not None:
             await vllm.close()
     med = {name: statistics.median(r) for name, r in rates.items()}
@@ -163,6 +193,8 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"embedded / generate: {med['embedded'] / med['generate']:.2f}")
     if "embedded, plain" in med:
         print(f"embedded / embedded plain: {med['embedded'] / med['embedded, plain']:.2f}")
+    if "embedded, eager" in med:
+        print(f"embedded (CUDA graphs) / embedded eager: {med['embedded'] / med['embedded, eager']:.2f}")
     if "vLLM" in med:
         print(f"embedded / vLLM: {med['embedded'] / med['vLLM']:.2f}")
     if args.json:
@@ -179,7 +211,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the medians")
-    asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument(
+        "--graphs-exact", action="store_true", help="greedy tokens with CUDA graphs against without (GPU)"
+    )
+    args = parser.parse_args()
+    asyncio.run(graphs_exact(args) if args.graphs_exact else main_async(args))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,15 @@
 
 1. Builds a random-init Qwen3 in Qwen3-0.6B's shape (28 layers x 1024, 596M parameters) with the
    real Qwen3 tokenizer, on this machine (nothing is downloaded; the weights are not carried).
-2. ``engine``: the embedded engine against transformers ``generate``, bfloat16, on the GPU
-   (``bench/engine_speed.py``: 64 requests x 256 tokens, median of 2).
+2. ``engine``: the embedded engine (decode steps replayed from CUDA graphs, and without them)
+   against transformers ``generate``, bfloat16, on the GPU (``bench/engine_speed.py``: 64
+   requests x 256 tokens, median of 2); then ``graphs exact``: greedy tokens with the graphs equal
+   those of the same steps run eagerly.
 3. ``trainer``: a GRPO step on turnrl's path against TRL's ``GRPOTrainer.compute_loss``, under
    bfloat16 autocast, tokens/s and peak CUDA memory above the loaded model for both
-   (``bench/trainer_speed.py``: 32 rows x (256 + <= 768) tokens, median of 2).
+   (``bench/trainer_speed.py``: 32 rows x (256 + <= 768) tokens, median of 2), and turnrl's side
+   once more with micro-batches of 16k tokens; each side's costliest operators (``--profile``) go
+   to the log.
 4. ``train``: ``turnrl train examples/train_key_lookup.yaml`` on that model for 3 steps with
    ``engine.device=cuda``: its exit code, the share of trajectories that ended in an error, the
    mean step time.
@@ -154,10 +158,24 @@ def main() -> None:
     med = last_json(out)
     if code == 0 and med:
         ratio = med["embedded"] / med["generate"]
-        detail = f"embedded {med['embedded']:.0f} tok/s, generate {med['generate']:.0f} tok/s: x{ratio:.2f}"
+        eager = med.get("embedded, eager", med["embedded"])
+        detail = (
+            f"embedded {med['embedded']:.0f} tok/s (CUDA graphs), eager {eager:.0f}, generate "
+            f"{med['generate']:.0f}: x{ratio:.2f} generate, graphs x{med['embedded'] / eager:.2f} eager"
+        )
         rows.append((f"engine ({requests} x {tokens} tokens, bf16)", "ok", detail))
     else:
         rows.append(("engine", "FAILED", f"exit {code} after {secs:.0f} s: {last_line(out)}"))
+    if args.device == "cuda":
+        code, out, secs = run(
+            "graphs exact", [*engine, "--graphs-exact", "--requests", "16", "--tokens", "48"], 180
+        )
+        res = last_json(out)
+        equal, plain = res.get("equal_eager"), res.get("equal_plain")
+        detail = f"{equal}/{res.get('rows')} greedy rows equal (plain decode: {plain})"
+        rows.append(
+            ("CUDA graphs vs eager steps", "ok" if code == 0 else "FAILED", detail if res else last_line(out))
+        )
 
     shape = (
         ["--rows", "8", "--prompt", "128", "--completion", "256"]
@@ -180,6 +198,18 @@ def main() -> None:
         rows.append(("trainer step vs TRL (bf16 autocast)", "ok", detail))
     else:
         rows.append(("trainer step vs TRL", "FAILED", f"exit {code} after {secs:.0f} s: {last_line(out)}"))
+    big = ["--micro-tokens", "16384", "--steps", "2", "--repeats", "1", "--sides", "turnrl", "--json"]
+    code, out, secs = run("trainer, 16k-token micro-batches", [*trainer, *big], 200)
+    big_res = last_json(out)
+    if code == 0 and big_res and res:
+        rate, peak = big_res["rates"]["turnrl"], (big_res["cuda_peak_mib"] or big_res["extra_mib"])["turnrl"]
+        ratio = rate / res["rates"]["trl"]
+        detail = f"turnrl {rate:.0f} tok/s: x{ratio:.2f} TRL; peak above the model {peak:.0f} MiB"
+        rows.append(("trainer, 16k-token micro-batches", "ok", detail))
+    else:
+        rows.append(("trainer, 16k-token micro-batches", "FAILED", f"exit {code}: {last_line(out)}"))
+    for side in ("turnrl", "trl"):  # where the time goes, for the log
+        run(f"profile {side}", [*trainer, "--steps", "1", "--side", side, "--profile"], 150)
 
     sets = [
         "--set", f"model={model}", "--set", f"engine.device={args.device}", "--set", "train.steps=3",

@@ -205,10 +205,26 @@ def run_side(args: argparse.Namespace) -> None:
             if cuda:
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - t0)
+        if args.profile:
+            profile(step, cuda)
     result = {"tokens": tokens, "seconds": statistics.median(seconds), "peak": rss_mib(), "loaded": loaded}
     if cuda:
         result["cuda_peak"] = torch.cuda.max_memory_allocated() / 2**20 - cuda_loaded
     print(json.dumps(result))
+
+
+def profile(step: Any, cuda: bool) -> None:
+    """One more step under torch.profiler; its 25 costliest operators (device time on a GPU) to stderr."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profiler(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), file=sys.stderr)
 
 
 def head_compare(args: argparse.Namespace) -> None:
@@ -269,6 +285,9 @@ def main() -> None:
     parser.add_argument("--head-positions", type=int, default=1340, help="trained positions, with --head")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+    parser.add_argument(
+        "--profile", action="store_true", help="with --side: print torch.profiler's top operators of one step"
+    )
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.head:

@@ -17,6 +17,7 @@ from rich.console import Console
 from turnrl.app.training import build_run
 from turnrl.engines.hf import HFEngine
 from turnrl.engines.hf import sampling as sampling_module
+from turnrl.engines.hf.graphs import row_bucket
 from turnrl.env import register_env
 from turnrl.models import load_model
 from turnrl.rollout.loop import run_trajectory
@@ -24,7 +25,7 @@ from turnrl.support.fake_cuda import FAKE_CUDA, MixedDeviceError, fake_cuda, on_
 from turnrl.testing import ParityEnv
 from turnrl.train.config import TrainConfig
 from turnrl.train.trainer import train_step
-from turnrl.types import SamplingParams
+from turnrl.types import EngineError, SamplingParams
 
 QUIET = Console(file=io.StringIO())
 register_env("test_fake_cuda_parity", ParityEnv, ParityEnv.dataset)
@@ -133,6 +134,57 @@ def test_the_engine_on_cuda_generates_what_it_generates_on_cpu(
         assert b.finish_reason == a.finish_reason
         assert list(b.token_ids) == list(a.token_ids)
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+
+
+def _join_leave_grow(engine: HFEngine, prompts: list[list[int]]) -> list[Any]:
+    """Rows that leave early, rows that join while others decode, one that outgrows 256 KV columns,
+    and a session's second turn over its kept KV."""
+    import asyncio
+
+    async def run() -> list[Any]:
+        greedy = [SamplingParams(temperature=0.0, max_tokens=n) for n in (3, 40, 290, 12)]
+        first = [
+            asyncio.ensure_future(engine.generate(p, s, session=f"s{i}"))
+            for i, (p, s) in enumerate(zip(prompts, greedy, strict=True))
+        ]
+        done = [await first[0]]
+        late = [  # they join the running batch
+            asyncio.ensure_future(engine.generate(p, SamplingParams(temperature=1.0, max_tokens=30, seed=i)))
+            for i, p in enumerate(prompts[:2])
+        ]
+        done += await asyncio.gather(*first[1:], *late)
+        again = prompts[3] + list(done[3].token_ids) + prompts[0][:4]
+        done.append(await engine.generate(again, greedy[1], session="s3"))
+        await engine.close()
+        return done
+
+    return asyncio.run(run())
+
+
+def test_decode_steps_over_the_kv_pool_generate_what_the_plain_path_generates(
+    tiny_qwen3_dir: Path, qwen3_tokenizer: Any
+) -> None:
+    texts = ("Hello there, how are you?", "Count: 1 2 3", "Why?", "Name three colours, then stop.")
+    prompts = [qwen3_tokenizer.encode(t) for t in texts]
+    on_cpu = _join_leave_grow(HFEngine(load_model(str(tiny_qwen3_dir)), packed_weights=False), prompts)
+    with fake_cuda():
+        engine = HFEngine(load_model(str(tiny_qwen3_dir), device="cuda"))
+        graphs = engine._scheduler.graphs
+        assert graphs is not None  # a Qwen3 text model on "cuda": decode steps over the KV pool
+        on_cuda = _join_leave_grow(engine, prompts)
+    assert graphs.pool.columns >= 512 and graphs.pool.generation >= 2  # the long row grew the pool
+    assert engine.prefix_stats["hits"] == 1
+    for a, b in zip(on_cpu, on_cuda, strict=True):
+        assert (b.finish_reason, list(b.token_ids)) == (a.finish_reason, list(a.token_ids))
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+
+
+def test_row_buckets_and_a_refused_cuda_graphs_request(tiny_qwen3_dir: Path) -> None:
+    assert [row_bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 17, 63, 64)] == [1, 2, 4, 8, 8, 16, 24, 64, 64]
+    assert row_bucket(30, 20) == 20
+    with pytest.raises(EngineError, match=r"cuda_graphs needs .* on a CUDA device"):
+        HFEngine(load_model(str(tiny_qwen3_dir)), cuda_graphs=True)
+    assert HFEngine(load_model(str(tiny_qwen3_dir)))._scheduler.graphs is None  # on the CPU: off
 
 
 async def test_a_training_step_on_cuda_trains_and_pushes_the_weights(

@@ -212,6 +212,18 @@ async def test_packed_weights_refuses_a_model_it_cannot_pack(tiny_qwen3_dir: Pat
         HFEngine(model, packed_weights=True)
 
 
+async def test_a_bfloat16_model_generates_on_any_processor(tiny_qwen3_dir: Path) -> None:
+    # oneDNN packs bfloat16 weights only on processors with its bfloat16 instructions; elsewhere the
+    # default must leave packing off rather than fail every request
+    model = load_model(str(tiny_qwen3_dir), dtype="bfloat16")
+    async with HFEngine(model) as engine:
+        out = await engine.generate([1, 2, 3], GREEDY)
+    assert len(out.token_ids) == GREEDY.max_tokens and out.finish_reason == "length"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        with pytest.raises(EngineError, match="bfloat16: a processor with oneDNN's bfloat16 support"):
+            HFEngine(model, packed_weights=True)
+
+
 @pytest.mark.parametrize("max_batch_size", [32, 3])
 async def test_concurrent_requests_match_running_alone(
     engine: HFEngine, tiny_qwen3_model: Any, qwen3_tokenizer: Any, max_batch_size: int

@@ -108,6 +108,9 @@ class HFEngineConfig(Strict):
     processes keep cores busy, fewer: two threads on one free core wait on each other every step."""
     packed_weights: bool | None = None
     """Serve linear layers from oneDNN-packed weights (None: on CPU in float32/bfloat16)."""
+    cuda_graphs: bool | None = None
+    """Replay decode steps from CUDA graphs over a KV cache reserved for max_batch_size rows (None: on
+    for Llama, Mistral, Qwen2 and Qwen3 text models on a GPU; false: plain decode steps)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights' dtype."""
     device: str = "cpu"

@@ -198,6 +198,7 @@ def hf_engine_options(e: HFEngineConfig) -> dict[str, Any]:
         "prefix_cache_tokens": e.prefix_cache_tokens,
         "num_threads": e.num_threads,
         "packed_weights": e.packed_weights,
+        "cuda_graphs": e.cuda_graphs,
     }
 
 

@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from turnrl.engines.hf.fused import FusedForward, fusable
+from turnrl.engines.hf.graphs import GraphedDecode
 from turnrl.engines.hf.packed import PackedLinears, packing_available
 from turnrl.engines.hf.prefix_cache import PrefixCache
 from turnrl.engines.hf.requests import Request, WeightUpdate
@@ -65,6 +66,7 @@ class HFEngine:
         vision: VisionProcessor | None = None,
         prefix_cache_tokens: int = 32768,
         packed_weights: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         """Serve ``model``; the tokenizer is optional, kept for callers, and its eos id stops generations.
 
@@ -83,15 +85,28 @@ class HFEngine:
         Qwen2 and Qwen3 text models run the engine's own forward pass on fused packed weights
         (``fused``). Only the engine's own forward passes read the packs; they are refreshed by
         ``update_weights``, so weights changed in place behind the engine's back are not seen.
+        ``cuda_graphs`` replays decode steps from CUDA graphs over a KV pool allocated once for
+        ``max_batch_size`` rows (``graphs``); None: on for those text models on a GPU.
         """
         _check_full_attention(model)
         self._model = model.eval()
         if packed_weights is None:
             packed_weights = packing_available(model)
         elif packed_weights and not packing_available(model):
-            raise EngineError("packed_weights needs a float32 or bfloat16 model on CPU and torch with oneDNN")
+            raise EngineError(
+                "packed_weights needs a float32 or bfloat16 model on CPU and torch with oneDNN"
+                " (bfloat16: a processor with oneDNN's bfloat16 support)"
+            )
         packed = PackedLinears(model) if packed_weights else None
         fused = FusedForward(model) if packed_weights and vision is None and fusable(model) else None
+        graphable = model.device.type == "cuda" and vision is None and fusable(model)
+        if cuda_graphs and not graphable:
+            raise EngineError(
+                "cuda_graphs needs a Llama, Mistral, Qwen2 or Qwen3 text model on a CUDA device"
+            )
+        graphs = None
+        if graphable and cuda_graphs is not False:
+            graphs = GraphedDecode(model, max_batch_size, capture=torch.cuda.is_available())
         self._tokenizer = tokenizer
         self._eos_ids = (
             frozenset(_ids(eos_token_ids))
@@ -116,6 +131,7 @@ class HFEngine:
             prefix_cache=self._prefix_cache,
             packed=packed,
             fused=fused,
+            graphs=graphs,
         )
 
     @property

@@ -32,13 +32,16 @@ def serve_packed() -> None:
 
 
 def packing_available(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is on CPU in float32 or bfloat16 and torch has oneDNN's linear kernels."""
+    """Whether ``model`` is on CPU in float32 or bfloat16 and torch has oneDNN's linear kernels (for
+    bfloat16: and the processor has oneDNN's bfloat16 instructions, without which packing fails)."""
     params = list(model.parameters())
     if not params or params[0].device.type != "cpu" or params[0].dtype not in _DTYPES:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
+    if params[0].dtype == torch.bfloat16 and not ops._is_mkldnn_bf16_supported():
+        return False
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 

@@ -3,7 +3,8 @@
 Each iteration it (1) applies pending weight updates, (2) prefills newly arrived requests (text
 prompts together in padded groups, ``prefill``, each after its session's kept KV when the prompt
 extends it; prompts with images one by one), (3) merges them into the running batch, whose KV
-caches are left-padded to a common length, and (4) runs one decode step for every running row.
+caches are left-padded to a common length, and (4) runs one decode step for every running row
+(on a GPU, replayed from a CUDA graph, ``graphs``).
 Requests join and leave between steps; asyncio callers only wait on futures, so their loop stays
 free. Text forward passes of Llama-family models run the engine's own (``fused``).
 """
@@ -19,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from turnrl.engines.hf.fused import FusedForward
+from turnrl.engines.hf.graphs import GraphedDecode
 from turnrl.engines.hf.kv import KV, Batch, first_row
 from turnrl.engines.hf.packed import PackedLinears, serve_packed
 from turnrl.engines.hf.positions import image_kwargs
@@ -48,10 +50,12 @@ class Scheduler:
         prefix_cache: PrefixCache,
         packed: PackedLinears | None = None,
         fused: FusedForward | None = None,
+        graphs: GraphedDecode | None = None,
     ) -> None:
         self.model = model
         self.packed = packed  # the model's linear layers on packed weights, repacked after updates
         self.fused = fused  # the engine's own forward for text (``fused``), repacked after updates
+        self.graphs = graphs  # decode steps over a fixed KV pool, from CUDA graphs (``graphs``)
         self.version = 0  # weight updates applied
         self.tokens_sampled = 0  # tokens sampled since start, over every request
         self.prefix_cache = prefix_cache
@@ -112,11 +116,11 @@ class Scheduler:
             torch.set_num_threads(self._num_threads)
         if self.packed is not None:
             serve_packed()
-        batch = Batch()
+        batch = self._new_batch()
         while True:
             if self._aborting:
                 self._abort(batch)
-                batch = Batch()
+                batch = self._new_batch()
             work = self._take_work(len(batch))
             if work is None:
                 break
@@ -129,8 +133,12 @@ class Scheduler:
             except Exception as err:  # a failed step fails its requests, not the engine
                 for request in [*batch.requests, *new]:
                     resolve(request.loop, request.future, EngineError(f"generation failed: {err!r}"))
-                batch = Batch()
+                batch = self._new_batch()
         self._abort(batch)
+
+    def _new_batch(self) -> Batch:
+        """An empty running batch (in the CUDA-graph decode's KV pool, when there is one)."""
+        return Batch(self.graphs.pool if self.graphs is not None else None)
 
     def _take_work(self, running: int) -> tuple[list[Request], list[WeightUpdate]] | None:
         """Wait for something to do; take queued requests that fit. None when closing."""
@@ -216,7 +224,10 @@ class Scheduler:
     def _decode(self, batch: Batch) -> None:
         """One forward step for every row; finished rows leave the batch."""
         assert batch.cache is not None
-        logits = self._logits(batch.step_inputs(self.model.device), batch.cache)
+        if self.graphs is not None:
+            logits = self.graphs.decode(batch)
+        else:
+            logits = self._logits(batch.step_inputs(self.model.device), batch.cache)
         batch.lengths = [n + 1 for n in batch.lengths]
         reasons = self._sample(batch.requests, logits)
         keep = []
@@ -228,10 +239,13 @@ class Scheduler:
             batch.rebuild(keep, [])
 
     def repack(self) -> None:
-        """Drop the packed and fused weight copies: the next forward makes them from the weights."""
+        """Drop the packed and fused weight copies and the captured graphs: the next forward makes
+        them from the weights."""
         for copies in (self.packed, self.fused):
             if copies is not None:
                 copies.repack()
+        if self.graphs is not None:
+            self.graphs.reset()
 
     def _logits(self, inputs: dict[str, Any], cache: Cache) -> torch.Tensor:
         """The last position's logits ``[B, V]`` of a text forward pass after ``cache`` (appended to)."""
