@@ -172,7 +172,10 @@ def main() -> None:
         )
         res = last_json(out)
         equal, plain = res.get("equal_eager"), res.get("equal_plain")
-        detail = f"{equal}/{res.get('rows')} greedy rows equal (plain decode: {plain})"
+        detail = (
+            f"{equal}/{res.get('rows')} greedy rows equal, logprob gap {res.get('gap', float('nan')):.4f} "
+            f"(plain decode: {plain} equal)"
+        )
         rows.append(
             ("CUDA graphs vs eager steps", "ok" if code == 0 else "FAILED", detail if res else last_line(out))
         )

@@ -113,6 +113,7 @@ def turnrl_step(model: Any, optimizer: Any, data: tuple[Any, ...], args: argpars
             position_ids_B_T=b.position_ids_B_T,
             keep_mib=args.keep_mib,
             shared_prefix=b.shared_prefix,
+            chunk_size=args.chunk,
         )
         old = logprobs.detach()
         inputs = LossInputs(logprobs, old, old, b.advantages_B_T, b.loss_mask_B_T)
@@ -271,6 +272,7 @@ def main() -> None:
     parser.add_argument(
         "--keep-mib", type=float, default=512.0, help="turnrl's train.logprob_keep_mib (0: recompute)"
     )
+    parser.add_argument("--chunk", type=int, default=256, help="positions a vocabulary-projection chunk")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="both sides under bfloat16 autocast")

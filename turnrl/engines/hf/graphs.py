@@ -68,8 +68,11 @@ class GraphedDecode:
         self.captured = 0  # graphs captured since start (progress and tests)
 
     def reset(self) -> None:
-        """Drop the captured graphs (after a weight update: captured again on next use)."""
+        """Drop the captured graphs (after a weight update: captured again on next use), and their
+        memory pool with them: a pool whose graphs are all gone is released, and capturing into its
+        handle again fails inside the allocator."""
         self._graphs.clear()
+        self._memory = None
 
     def decode(self, batch: Batch) -> torch.Tensor:
         """One decode step for every row of ``batch`` (which must use ``self.pool``): the logits
@@ -99,7 +102,7 @@ class GraphedDecode:
     def _run(self, rows: int, columns: int) -> torch.Tensor:
         """The step on a bucket: replayed when captured, else run (and captured when it can be)."""
         if self._generation != self.pool.generation:
-            self._graphs.clear()
+            self.reset()
             self._generation = self.pool.generation
         if self._columns.numel() < self.pool.columns:
             self._columns = torch.arange(self.pool.columns, dtype=torch.long, device=self._inputs.device)
@@ -127,7 +130,7 @@ class GraphedDecode:
         except RuntimeError as err:
             log.warning("CUDA graph capture failed; decoding without graphs: %s", err)
             self._capture = False
-            self._graphs.clear()
+            self.reset()
         return logits
 
     def _step(self, rows: int, columns: int) -> torch.Tensor:
