@@ -29,14 +29,8 @@ if [ -x "$DEST/bin/llama-server" ] && [ "$(cat "$DEST/VERSION" 2>/dev/null)" = "
   exit 0
 fi
 
-if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null || ! command -v make >/dev/null; then
-  if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ make >/dev/null
-  else
-    echo "install_server.sh: cmake, g++ and make are needed (apt-get install cmake g++ make)" >&2
-    exit 1
-  fi
-fi
+command -v cmake >/dev/null && command -v g++ >/dev/null && command -v make >/dev/null ||
+  bash scripts/apt_install.sh install_server.sh cmake g++ make
 # GGUF conversion runs in the project's Python: it needs these (setup.sh's [hf] extra has them).
 "$PY" -c "import gguf, sentencepiece" 2>/dev/null ||
   "$PY" -m pip install -q gguf sentencepiece

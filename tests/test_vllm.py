@@ -199,6 +199,23 @@ def test_cores_split_into_one_run_per_server_unless_the_user_binds_them(
     assert binds == ["5|6", "5|6"]
 
 
+def test_server_args_from_the_environment_go_under_the_configs_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from turnrl.engines import vllm_server
+
+    monkeypatch.setattr(vllm_server, "find_vllm_python", lambda _: Path(sys.executable))
+    monkeypatch.setenv("TURNRL_VLLM_SERVER_ARGS", "{enforce_eager: true, max_num_seqs: 8}")
+    command = vllm_server.VLLMServer(tmp_path, args={"max_num_seqs": 64}).command()
+    assert "--enforce-eager" in command
+    assert command[command.index("--max-num-seqs") + 1] == "64" and command.count("--max-num-seqs") == 1
+    monkeypatch.setenv("TURNRL_VLLM_SERVER_ARGS", "[enforce_eager]")
+    with pytest.raises(EngineError, match="TURNRL_VLLM_SERVER_ARGS must be a mapping"):
+        vllm_server.VLLMServer(tmp_path).command()
+    monkeypatch.setenv("TURNRL_VLLM_SERVER_ARGS", "")
+    assert "--enforce-eager" not in vllm_server.VLLMServer(tmp_path).command()
+
+
 def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
     need_vllm()
     from turnrl.engines.vllm_server import VLLMServer

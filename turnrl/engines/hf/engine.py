@@ -236,9 +236,11 @@ class HFEngine:
 
     async def close(self) -> None:
         """Stop the worker; running and queued requests end with finish_reason "abort"; free the
-        packed weights."""
+        packed weights, and the CUDA graphs with their KV pool."""
         await asyncio.to_thread(self._scheduler.close)
         self._scheduler.repack()
+        if self._scheduler.graphs is not None:
+            self._scheduler.graphs.pool.release()
 
     def _make_request(
         self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Any]

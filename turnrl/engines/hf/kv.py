@@ -108,6 +108,11 @@ class KVPool:
         self.columns = columns
         self.generation += 1
 
+    def release(self) -> None:
+        """Drop the buffers (the engine is closed); a later ``reserve`` allocates them again."""
+        self.keys, self.values, self.columns = [], [], 0
+        self.generation += 1
+
     def buffers(self, layer: int, rows: int) -> KV:
         """The first ``rows`` rows of a layer's buffers."""
         return self.keys[layer][:rows], self.values[layer][:rows]
