@@ -8,7 +8,7 @@ export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=s
 bash scripts/setup.sh
 # The installs below and the lint do not depend on one another: they run side by side (a compile beside
 # downloads), each into its own log, printed in this order once all are done. apt_install.sh
-# serializes the ones that need apt. The first that failed fails the run, with its log.
+# serializes the ones that need apt. Any that failed fails the run, its log on stderr.
 logs=$(mktemp -d)
 pids=()
 names=(

@@ -116,7 +116,7 @@ class VLLMServer(ServerProcess):
         self.kv_cache_gib = kv_cache_gib
         self.seed = seed
         self.logprobs_mode = logprobs_mode
-        self.args = dict(args or {})
+        self.args = env_server_args() | dict(args or {})  # read once, refused before anything starts
         self.env = dict(env or {})
 
     @property
@@ -132,7 +132,7 @@ class VLLMServer(ServerProcess):
         CPU runner fails on a seeded request whose prefill is split (``CPU Generator does not
         use offset``), and every turnrl request is seeded.
         """
-        args = env_server_args() | self.args
+        args = dict(self.args)
         if self.cpu_build:
             args.setdefault("enable_chunked_prefill", False)
             args.setdefault("max_num_batched_tokens", max(self.max_model_len, 8192))
