@@ -45,4 +45,8 @@ done
 rm -rf "$logs"
 [ "$failed" = 0 ] || exit 1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-.venv/bin/python -m pytest -q "$@"
+# Two workers (pytest-xdist): the suite waits on subprocesses, servers and sockets about half the
+# time, so two keep both cores busy (measured: 258 s against 443 s on tests/test_cli.py and
+# tests/test_run_safety.py). tests/conftest.py sends them a module at a time, every vLLM module to
+# one worker; tests marked `alone` run with nothing beside them. TURNRL_TEST_WORKERS=0: one process.
+.venv/bin/python -m pytest -q -n "${TURNRL_TEST_WORKERS:-2}" "$@"

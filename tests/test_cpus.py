@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from turnrl.support.cpus import FreeCpus
 
 
@@ -15,6 +17,7 @@ def spin(seconds: float) -> None:
         pass
 
 
+@pytest.mark.alone
 def test_a_busy_process_takes_a_cpu_and_our_own_work_does_not() -> None:
     free = FreeCpus()
     spin(1.0)  # this process's own work

@@ -205,6 +205,7 @@ async def heartbeat_gap(run: Any) -> tuple[float, float]:
     return max(gaps), seconds
 
 
+@pytest.mark.alone
 async def test_blocking_env_on_ray_does_not_block_the_driver(pool: RayEnvPool, qwen3_tokenizer: Any) -> None:
     samples = stories(4)
     kwargs: dict[str, Any] = {"sleep_s": 0.2, "done_after": 2}
@@ -224,6 +225,7 @@ async def test_blocking_env_on_ray_does_not_block_the_driver(pool: RayEnvPool, q
     assert ray_s < 4 * 0.2  # and the blocking steps overlap (one thread per env in the workers): ~2 x 0.2 s
 
 
+@pytest.mark.alone
 async def test_trajectories_stream_back_as_they_finish(pool: RayEnvPool, qwen3_tokenizer: Any) -> None:
     samples = [
         *stories(3, sleep_s=0.02),

@@ -57,6 +57,36 @@ def test_build_is_deterministic_and_not_redone(tmp_path: Path) -> None:
     assert weights.read_bytes() != (b / "model.safetensors").read_bytes()
 
 
+BUILD_RACE = """
+import sys, time
+from pathlib import Path
+from turnrl.models.files import build_once
+
+def write(tmp: Path) -> None:
+    with open(sys.argv[2], "a") as log:
+        log.write("built\\n")
+    time.sleep(1.0)  # long enough for the other process to arrive meanwhile
+    (tmp / "weights").write_text("w")
+
+out = build_once(sys.argv[1], {"v": 1}, "marker.json", write)
+assert (out / "weights").read_text() == "w"
+"""
+
+
+def test_two_processes_building_one_folder_build_it_once(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUILD_RACE, str(tmp_path / "model"), str(log)])
+        for _ in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert log.read_text() == "built\n"  # the second waited for the first, then used its folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.lock", "log", "model"]
+
+
 def test_tiny_qwen3_spec_builds_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TURNRL_CACHE_DIR", str(tmp_path))
     spec = resolve_model("tiny-qwen3")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,23 +57,38 @@ def build_once(
 ) -> Path:
     """Build a folder with ``write`` unless ``out_dir`` already holds one built from ``recipe``.
 
-    The folder is written beside ``out_dir`` and moved into place, so a reader (or another
-    process building the same thing) sees no folder or the whole new one.
+    The folder is written beside ``out_dir`` and moved into place, so a reader sees no folder or the
+    whole new one. Processes building the same folder at once take turns on a lock file beside it
+    (``.NAME.lock``): the first builds, the others find its build done and use it.
     """
     out = Path(out_dir).expanduser()
     marker = out / marker_name
-    if marker.is_file() and json.loads(marker.read_text()) == recipe:
+
+    def built() -> bool:
+        return marker.is_file() and json.loads(marker.read_text()) == recipe
+
+    if built():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(
-        dir=out.parent, prefix=f".{out.name}-", ignore_cleanup_errors=True
-    ) as tmp:
-        write(Path(tmp))
-        (Path(tmp) / marker_name).write_text(json.dumps(recipe))
-        shutil.rmtree(out, ignore_errors=True)
-        try:
+    with _locked(out.parent / f".{out.name}.lock"):
+        if built():  # another process built it while this one waited
+            return out
+        with tempfile.TemporaryDirectory(
+            dir=out.parent, prefix=f".{out.name}-", ignore_cleanup_errors=True
+        ) as tmp:
+            write(Path(tmp))
+            (Path(tmp) / marker_name).write_text(json.dumps(recipe))
+            shutil.rmtree(out, ignore_errors=True)
             os.replace(tmp, out)
-        except OSError:
-            if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
-                raise  # not another process that built the same folder meanwhile
     return out
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (made if missing); released when the process ends too."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
