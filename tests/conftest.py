@@ -72,10 +72,12 @@ def _machine(alone: bool) -> Iterator[None]:
         os.close(turnstile)
 
 
-@pytest.fixture(autouse=True)
-def _share_the_machine(request: pytest.FixtureRequest) -> Iterator[None]:
-    with _machine(request.node.get_closest_marker("alone") is not None):
-        yield
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """Each test holds the machine from its fixtures' setup to their teardown (a module's servers
+    start in its first test's setup and stop in its last one's teardown)."""
+    with _machine(item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

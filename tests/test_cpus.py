@@ -19,6 +19,19 @@ def spin(seconds: float) -> None:
 
 @pytest.mark.alone
 def test_a_busy_process_takes_a_cpu_and_our_own_work_does_not() -> None:
+    """Measured on a shared machine: another process's load comes and goes (an idle server beside
+    the suite), so up to three tries; a count that took our own spin for another's fails them all."""
+    tries = []
+    for _ in range(3):
+        own, busy, cpus = _measure()
+        tries.append((own, busy))
+        if busy <= cpus - 0.6 and own >= busy + 0.6:
+            return
+    raise AssertionError(f"(own, busy) free CPUs per try: {tries}")
+
+
+def _measure() -> tuple[float, float, int]:
+    """Free CPUs while this process spins, and while a child spins; and the CPUs."""
     free = FreeCpus()
     spin(1.0)  # this process's own work
     own = free.measure()
@@ -31,5 +44,4 @@ def test_a_busy_process_takes_a_cpu_and_our_own_work_does_not() -> None:
     finally:
         child.kill()
         child.wait()
-    assert busy <= free.cpus - 0.6, busy  # the other process's CPU is not free
-    assert own >= busy + 0.6, (own, busy)  # our own spin is not counted as another's
+    return own, busy, free.cpus

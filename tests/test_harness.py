@@ -66,6 +66,22 @@ def run_once(runner: HarnessRunner, sample: Sample = SAMPLE, index: int = 0) -> 
     return asyncio.run(go())
 
 
+async def test_runs_that_start_at_once_share_one_gateway_and_close_leaves_no_listener(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    """The first runs of a step (or of a warm start's replays) ask for the gateway together: one
+    server starts, and ``close`` stops it (before, each started its own and all but one leaked)."""
+    import socket
+
+    runner, _ = runner_for(qwen3_tokenizer, tmp_path, [], command=["true"])
+    urls = await asyncio.gather(*(runner.url() for _ in range(4)))
+    assert len(set(urls)) == 1
+    port = int(urls[0].rsplit(":", 1)[1])
+    await runner.close()
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
+
+
 @pytest.mark.parametrize("preload", [[], ["openai"]], ids=["process", "forked"])
 def test_an_openai_sdk_agent_is_one_exact_branch_scored_by_its_reward(
     qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]

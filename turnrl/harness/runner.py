@@ -12,6 +12,7 @@ their stop reason, and training leaves them out. Branches not to train (``reinfo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -66,25 +67,27 @@ class HarnessRunner:
         self.setup = import_object(config.setup, "env.setup") if config.setup else None
         self.skip = [re.compile(pattern) for pattern in config.skip_system]
         self.root = out_dir / "harness" if config.keep_folders else Path(tempfile.mkdtemp(prefix="turnrl-"))
-        self.served: Served | None = None
+        self._serving: asyncio.Future[Served] | None = None  # the gateway's start, shared by every run
         self.forks = None
         if config.preload:  # its imports see the variables every run has (env.env's fixed ones)
             fixed = {key: value for key, value in config.env.items() if "{" not in value}
             self.forks = ForkServer(config.preload, search_path(), {**os.environ, **fixed})
 
     async def url(self) -> str:
-        """The gateway's base URL (started on first use)."""
-        if self.served is None:
-            self.served = await serve(self.gateway)
-        return self.served.url
+        """The gateway's base URL (started on first use: runs that ask at once share one start)."""
+        if self._serving is None:
+            self._serving = asyncio.ensure_future(serve(self.gateway))
+        return (await asyncio.shield(self._serving)).url
 
     async def close(self) -> None:
         """Stop the gateway and the fork server; remove the runs' folders unless they are kept."""
         if self.forks is not None:
             await self.forks.close()
-        if self.served is not None:
-            await self.served.close()
-            self.served = None
+        serving, self._serving = self._serving, None
+        if serving is not None:
+            served = await asyncio.gather(serving, return_exceptions=True)
+            if isinstance(served[0], Served):
+                await served[0].close()
         if not self.config.keep_folders:
             shutil.rmtree(self.root, ignore_errors=True)
 
