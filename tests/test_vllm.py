@@ -539,6 +539,51 @@ async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_
     await reset.close()
 
 
+async def test_an_unchanged_agent_trains_through_the_gateway_on_vllm_with_exact_tokens(
+    servers: Any, smollm2: Any, tmp_path: Path
+) -> None:
+    """``examples/harness/train_lookup.yaml`` (the plain openai-SDK agent, a process per run) with
+    vLLM serving its calls through the harness's gateway: the trained tokens are the ones vLLM
+    sampled, under the weights the trainer holds (importance ratio 1 after the warm start's push)."""
+    from turnrl.app.training import train_async
+    from turnrl.support.imports import add_search_path
+    from turnrl.train.config import load_train_config
+
+    url = servers.servers[0].url
+    overrides = [
+        "engine.kind=vllm",
+        f'engine.urls=["{url}"]',
+        "engine.refresh_tied_weights=true",
+        f"output_dir={tmp_path / 'train'}",
+        "train.steps=1",
+        "train.prompts_per_step=2",
+        "train.save_every=0",
+        "algorithm.recompute_old_logprobs=true",
+        "algorithm.kl_coef=0.001",  # keeps every sample (and its importance ratio) when rewards tie
+        "eval.data=null",
+        "warm_start.data.kwargs.size=4",
+        "warm_start.epochs=1",
+        "train.plot=false",
+    ]
+    add_search_path(ROOT / "examples" / "harness")
+    config = load_train_config(ROOT / "examples" / "harness" / "train_lookup.yaml", overrides)
+    await train_async(config)
+    records = [
+        yaml.safe_load(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert records[0]["warm_start/demos"] == 4  # replayed through the agent, each one rewarded
+    step = records[-1]
+    assert step["step"] == 1 and step["train/samples"] > 0
+    assert 0.999 < step["is/ratio_min"] <= step["is/ratio_max"] < 1.001, step
+    rollouts = (tmp_path / "train" / "rollouts" / "step_000001.jsonl").read_text().splitlines()
+    trajs = [yaml.safe_load(line) for line in rollouts]
+    assert len({(t["group_id"], t["sample_index"]) for t in trajs}) == 2 * 4
+    assert all(t["stop_reason"] == "agent_done" and t["info"]["session"] for t in trajs)
+    reset = VLLMServerEngine(url, refresh_tied_weights=True)  # base weights for the tests after this one
+    await reset.update_weights(smollm2.state_dict())
+    await reset.close()
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["abort", "keep"])
 async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_the_bound(
     keep: bool, servers: Any, smollm2: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
