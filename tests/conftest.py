@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -12,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from turnrl.support.file_lock import locked
 
 # vLLM servers the tests start run eagerly: on a fresh machine vLLM's compile takes 2-3 minutes per
 # model and shape (measured: 202 s to ready against 53 s eager), most of the suite's vLLM time.
@@ -60,17 +61,15 @@ def _machine(alone: bool) -> Iterator[None]:
         return
     folder = Path(tempfile.gettempdir()) / f"turnrl-tests-{run}"
     folder.mkdir(exist_ok=True)
-    turnstile = os.open(folder / "turnstile", os.O_RDWR | os.O_CREAT)
-    machine = os.open(folder / "machine", os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
+    with contextlib.ExitStack() as held:
+        turnstile = contextlib.ExitStack()
+        turnstile.enter_context(locked(folder / "turnstile"))
+        held.enter_context(locked(folder / "machine", shared=not alone))
+        if alone:
+            held.push(turnstile)  # kept to the end: no shared test starts meanwhile
+        else:
+            turnstile.close()
         yield
-    finally:
-        os.close(machine)  # closing releases its lock
-        os.close(turnstile)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from turnrl.support.file_lock import locked
 
 TINY_QWEN3 = "tiny-qwen3"
 TINY_VLMS = ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl")  # see turnrl.models.tiny_vlm
@@ -70,7 +70,7 @@ def build_once(
     if built():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(out.parent / f".{out.name}.lock"):
+    with locked(out.parent / f".{out.name}.lock"):
         if built():  # another process built it while this one waited
             return out
         with tempfile.TemporaryDirectory(
@@ -81,14 +81,3 @@ def build_once(
             shutil.rmtree(out, ignore_errors=True)
             os.replace(tmp, out)
     return out
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` (made if missing); released when the process ends too."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
