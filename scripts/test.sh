@@ -49,4 +49,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # time, so two keep both cores busy (measured: 258 s against 443 s on tests/test_cli.py and
 # tests/test_run_safety.py). tests/conftest.py sends them a module at a time, every vLLM module to
 # one worker; tests marked `alone` run with nothing beside them. TURNRL_TEST_WORKERS=0: one process.
-.venv/bin/python -m pytest -q -n "${TURNRL_TEST_WORKERS:-2}" "$@"
+# Two workers on two cores means two processes of torch compute at once, and OpenMP's workers spin
+# between parallel regions by default, each burning the core the other needs: OMP_WAIT_POLICY=PASSIVE
+# lets them sleep instead (two example rollouts side by side: 82 s each spinning, 46 s passive; one
+# alone: 33 s against 41 s). The test modules outside vLLM's: 4,672 s against 4,342 s (BENCHMARKS.md).
+workers=${TURNRL_TEST_WORKERS:-2}
+if [ "$workers" != 0 ] && [ "$workers" != 1 ]; then
+  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+fi
+.venv/bin/python -m pytest -q -n "$workers" "$@"

@@ -255,3 +255,29 @@ def test_the_check_diffs_only_between_the_common_start_and_end() -> None:
     assert rebuilt == b and [op[0] for op in ops] == ["equal", "replace", "equal"]
     small_a, small_b = [1, 2, 3, 4], [1, 9, 3, 4]
     assert _opcodes(small_a, small_b) == SequenceMatcher(None, small_a, small_b, autojunk=False).get_opcodes()
+
+
+def test_whitespace_the_template_adds_inside_a_sampled_turn_is_the_models_turn(qwen3_tokenizer: Any) -> None:
+    """A model that samples a bare ``</think>`` mid-turn: its reply is parsed into reasoning and
+    content, and Qwen3's template re-renders it as ``\\n</think>\\n\\n``, inserting text between two
+    sampled tokens. That is the template's own spelling of the model's turn (expected); the same
+    insertion where the model sampled neither side counts."""
+    from turnrl.chat.check import compare
+    from turnrl.chat.template import ChatTemplate
+
+    template = ChatTemplate(qwen3_tokenizer, {})
+    user = [{"role": "user", "content": "hi"}]
+    prompt = qwen3_tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    reply = "<think>\nsome thought</think>the answer<|im_end|>"
+    incremental = qwen3_tokenizer.encode(prompt + reply + "\n", add_special_tokens=False)
+    parsed = {"role": "assistant", "reasoning_content": "some thought", "content": "the answer"}
+    rerender = qwen3_tokenizer.apply_chat_template([*user, parsed], tokenize=False)
+    reference = qwen3_tokenizer.encode(rerender, add_special_tokens=False)
+    assert "\n</think>\n\n" in rerender and incremental != reference
+    start = len(qwen3_tokenizer.encode(prompt, add_special_tokens=False))
+    reply_end = len(qwen3_tokenizer.encode(prompt + reply, add_special_tokens=False))
+    sampled = [0] * start + [1] * (reply_end - start) + [0] * (len(incremental) - reply_end)
+    result = compare(template, incremental, reference, "strict", False, sampled)
+    inserted = [h for h in result.hunks if not h.incremental]
+    assert result.ok and inserted and all(h.kind == "model_turn" and h.expected for h in inserted)
+    assert not compare(template, incremental, reference, "strict", False, [0] * len(incremental)).ok

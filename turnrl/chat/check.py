@@ -130,7 +130,7 @@ def compare(
         _, _, i2, _, j2 = ops[end]
         inc, ref = template.decode(incremental_ids[i1:i2]), template.decode(reference_ids[j1:j2])
         kind = classify(inc, ref)
-        by_model = sampled is not None and i2 > i1 and all(sampled[i] for i in range(i1, i2))
+        by_model = _by_model(sampled, i1, i2)
         if kind == "same_text" and _spelled_controls(template, incremental_ids[i1:i2], reference_ids[j1:j2]):
             kind = "control_text"  # content spelling a control token: kept as text, never a turn
         elif by_model and kind != "same_text" and not (kind == "think" and reasoning_rewritten):
@@ -146,6 +146,18 @@ def compare(
     result.ok = result.mismatches == 0
     result.diff = render_diff(template, incremental_ids, result)
     return result
+
+
+def _by_model(sampled: Sequence[int] | None, i1: int, i2: int) -> bool:
+    """Whether the rollout's tokens ``[i1, i2)`` of a difference lie inside what the model sampled:
+    every one of them sampled, or, where the re-render only inserted text, the tokens on both sides
+    of the insertion (a Qwen3 template writes ``\n</think>\n\n`` where the model sampled a bare
+    ``</think>`` mid-turn)."""
+    if sampled is None:
+        return False
+    if i2 > i1:
+        return all(sampled[i] for i in range(i1, i2))
+    return 0 < i1 < len(sampled) and bool(sampled[i1 - 1]) and bool(sampled[i1])
 
 
 def _spelled_controls(template: ChatTemplate, incremental: list[int], reference: list[int]) -> bool:

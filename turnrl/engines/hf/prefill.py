@@ -74,7 +74,7 @@ def inputs(rows: list[Row], device: torch.device) -> tuple[dict[str, Any], Cache
         layers: list[Any] = []
         for layer, (keys, values) in enumerate(shaped):
             empty = (keys[:, :0], values[:, :0])
-            layers.append(GrowingLayer([r.past[layer] if r.past else empty for r in rows], spare=new))
+            layers.append(GrowingLayer.stacked([r.past[layer] if r.past else empty for r in rows], spare=new))
         cache = Cache(layers=layers)
     kwargs = {
         "input_ids": torch.tensor(ids, device=device),
