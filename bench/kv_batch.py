@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -20,14 +21,9 @@ from turnrl.engines.hf.kv import KV, Batch
 LAYERS, HEADS, DIM = 30, 3, 64
 
 
-@dataclass(eq=False)
-class Row:
-    """What the batch reads of a request."""
-
-    prompt_ids: list[int]
-    rope_delta: int = 0
-    token_ids: list[int] = field(default_factory=lambda: [1])
-    cancelled: bool = False
+def request(n: int) -> Any:
+    """What the batch reads of a request: its prompt's length and its position shift."""
+    return SimpleNamespace(prompt_ids=[0] * n, rope_delta=0)
 
 
 def kv(n: int) -> list[KV]:
@@ -38,8 +34,8 @@ def per_change_ms(rows: int, context: int, changes: int) -> float:
     rng = random.Random(0)
     batch = Batch()
     lengths = [rng.randint(context // 2, context) for _ in range(rows)]
-    batch.rebuild([], [(Row([0] * n), kv(n)) for n in lengths])
-    joining = [(Row([0] * (context // 2)), kv(context // 2)) for _ in range(changes)]
+    batch.rebuild([], [(request(n), kv(n)) for n in lengths])
+    joining = [(request(context // 2), kv(context // 2)) for _ in range(changes)]
     start = time.perf_counter()
     for i in range(changes):
         keep = [b != i % len(batch) for b in range(len(batch))]
