@@ -264,11 +264,10 @@ class Batch:
                         buf[:kept, :, width - old_width : width] = old
                     else:  # the longest rows left: only the last ``width`` columns hold kept tokens
                         buf[:kept, :, :width] = old[:, :, old_width - width :]
+            grown = GrowingLayer(buffers, len(self.lengths), 0, width)
             for b, (_, kv) in enumerate(new, start=kept):
-                k, v = kv[layer]
-                buffers[0][b, :, width - k.shape[-2] : width] = k
-                buffers[1][b, :, width - v.shape[-2] : width] = v
-            out.append(GrowingLayer(buffers, len(self.lengths), 0, width))
+                grown.write_row(b, kv[layer])
+            out.append(grown)
         return out
 
     def step_inputs(self, device: torch.device) -> dict[str, torch.Tensor | None]:
