@@ -1,8 +1,10 @@
 """The gateway's throughput with many concurrent sessions, against the same calls sent to the engine
 directly (goal: ≥0.95×).
 
-The engine is turnrl's embedded one serving a random-init tiny Qwen3 (``tiny-qwen3``). Each session
-is a chat of ``--turns`` calls: a user message, the reply, another user message, and so on.
+The engine serves a random-init tiny Qwen3 (``tiny-qwen3``): turnrl's embedded one, or with
+``--engine vllm`` a vLLM server that turnrl starts (scripts/install_vllm.sh), in its own processes,
+driven through turnrl's vLLM client on both sides. Each session is a chat of ``--turns`` calls: a
+user message, the reply, another user message, and so on.
 - gateway: ``--sessions`` agents, each an ``openai.AsyncOpenAI`` client with its own API key (its
   own session), run in a separate process and call the gateway on loopback concurrently;
 - direct: the token prompts the gateway sent to the engine, with the same sampling (seeds
@@ -12,7 +14,7 @@ is a chat of ``--turns`` calls: a user message, the reply, another user message,
 Throughput is sampled tokens per wall second; the two alternate, ``--repeats`` times each, and the
 ratio is of medians.
 
-    .venv/bin/python bench/gateway_throughput.py [--sessions 64] [--turns 4] [--max-tokens 16]
+    .venv/bin/python bench/gateway_throughput.py [--engine hf|vllm] [--sessions 64] [--turns 4]
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from typing import Any
 
 import uvicorn
 
-from turnrl.app.engines import hf_engine
+from turnrl.app.engines import hf_engine, vllm_engine
 from turnrl.chat.encoder import ChatEncoder
+from turnrl.config import VLLMEngineConfig
 from turnrl.gateway import GatewayConfig
 from turnrl.gateway.routes import make_app
 from turnrl.gateway.server import Gateway
 from turnrl.gateway.store import CallLog
+from turnrl.models import load_tokenizer
 from turnrl.types import Generation, SamplingParams
 
 
@@ -64,9 +68,9 @@ async def agents(url: str, sessions: int, turns: int, sdk: bool) -> dict[str, fl
     from openai import AsyncOpenAI
 
     async def call(
-        k: int, messages: list[Any], http: httpx.AsyncClient, client: AsyncOpenAI
+        k: int, messages: list[Any], http: httpx.AsyncClient, client: AsyncOpenAI | None
     ) -> tuple[Any, int]:
-        if sdk:
+        if client is not None:
             reply = await client.chat.completions.create(model="tiny-qwen3", messages=messages)
             assert reply.usage is not None
             return reply.choices[0].message.model_dump(exclude_none=True), reply.usage.completion_tokens
@@ -74,21 +78,30 @@ async def agents(url: str, sessions: int, turns: int, sdk: bool) -> dict[str, fl
         answer = (await http.post(f"{url}/s/agent-{k}/v1/chat/completions", json=body)).json()
         return answer["choices"][0]["message"], answer["usage"]["completion_tokens"]
 
-    async def agent(k: int, http: httpx.AsyncClient) -> int:
-        async with AsyncOpenAI(base_url=f"{url}/v1", api_key=f"agent-{k}", max_retries=0) as client:
-            messages: list[Any] = [{"role": "user", "content": f"Tell me about the number {k}."}]
-            tokens = 0
-            for turn in range(turns):
-                message, sampled = await call(k, messages, http, client)
-                tokens += sampled
-                messages += [message, {"role": "user", "content": f"Go on ({turn})."}]
-            return tokens
+    async def agent(k: int, http: httpx.AsyncClient, client: AsyncOpenAI | None) -> int:
+        messages: list[Any] = [{"role": "user", "content": f"Tell me about the number {k}."}]
+        tokens = 0
+        for turn in range(turns):
+            message, sampled = await call(k, messages, http, client)
+            tokens += sampled
+            messages += [message, {"role": "user", "content": f"Go on ({turn})."}]
+        return tokens
 
     limits = httpx.Limits(max_connections=sessions)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        # an agent makes its client once, before its calls (the SDK's costs ~45 ms of CPU: an SSL
+        # context of its own), so the clients are made before the clock starts
+        clients = [
+            AsyncOpenAI(base_url=f"{url}/v1", api_key=f"agent-{k}", max_retries=0) if sdk else None
+            for k in range(sessions)
+        ]
         t0 = time.perf_counter()
-        tokens = await asyncio.gather(*(agent(k, http) for k in range(sessions)))
-        return {"seconds": time.perf_counter() - t0, "tokens": sum(tokens)}
+        tokens = await asyncio.gather(*(agent(k, http, clients[k]) for k in range(sessions)))
+        seconds = time.perf_counter() - t0
+        for client in clients:
+            if client is not None:
+                await client.close()
+        return {"seconds": seconds, "tokens": sum(tokens)}
 
 
 def through_gateway(
@@ -151,6 +164,7 @@ engine_loop: asyncio.Runner
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -162,15 +176,35 @@ def main() -> None:
         print(json.dumps(asyncio.run(agents(args.client, args.sessions, args.turns, args.sdk))))
         return
     global engine_loop
-    engine = hf_engine("tiny-qwen3", seed=0)
     rows: dict[str, list[dict[str, float]]] = {"gateway": [], "direct": []}
-    with tempfile.TemporaryDirectory() as tmp, asyncio.Runner() as engine_loop:
-        through_gateway(engine, engine.tokenizer, args, Path(tmp) / "warm-up")  # first batches, imports
-        for r in range(args.repeats):
-            result, recording = through_gateway(engine, engine.tokenizer, args, Path(tmp) / f"run-{r}")
-            rows["gateway"].append(result)
-            rows["direct"].append(direct(engine, recording))
-    where = "tiny-qwen3 on the embedded engine"
+    tokenizer = load_tokenizer("tiny-qwen3")
+    server: Any = None
+    if args.engine == "vllm":
+        config = VLLMEngineConfig(kind="vllm", max_model_len=4096, kv_cache_gib=2)
+        print("starting a vLLM server ...", file=sys.stderr)
+        server = vllm_engine("tiny-qwen3", config, tokenizer, say=None, seed=0)
+        url = server.servers[0].url
+
+        def engine() -> Any:  # a client of its own per side and run: each runs in an event loop of its own
+            return vllm_engine("tiny-qwen3", VLLMEngineConfig(kind="vllm", urls=[url]), tokenizer)
+
+    else:
+        embedded = hf_engine("tiny-qwen3", seed=0)
+
+        def engine() -> Any:
+            return embedded
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp, asyncio.Runner() as engine_loop:
+            through_gateway(engine(), tokenizer, args, Path(tmp) / "warm-up")  # first batches, imports
+            for r in range(args.repeats):
+                result, recording = through_gateway(engine(), tokenizer, args, Path(tmp) / f"run-{r}")
+                rows["gateway"].append(result)
+                rows["direct"].append(direct(engine(), recording))
+    finally:
+        if server is not None:
+            asyncio.run(server.close())
+    where = "tiny-qwen3 on " + ("a vLLM server (CPU build)" if server is not None else "the embedded engine")
     print(f"{args.sessions} sessions x {args.turns} calls, max_tokens {args.max_tokens}, {where}")
     print(f"{'path':<10}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
     rates = {}

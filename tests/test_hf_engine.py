@@ -133,6 +133,25 @@ def test_two_level_draw_frequencies_follow_the_distribution() -> None:
     torch.testing.assert_close(freqs, probs, atol=0.02, rtol=0)
 
 
+def test_sampled_logprobs_are_the_log_softmax_at_the_temperature_on_a_large_vocabulary() -> None:
+    """On Qwen's vocabulary size (a partial last block) and at several temperatures, each sampled
+    token's logprob is ``log_softmax(logits / T)`` at that token, and tokens of zero weight (``-inf``
+    logits at block edges) are never drawn."""
+    vocab = 151_936
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(3)) * 5
+    logits[:, 1::2] = float("-inf")
+    logits[:, -1] = float("-inf")
+    samplings = [SamplingParams(temperature=t) for t in (1.0, 0.7, 1.3, 1.0, 0.4, 1.0, 2.0, 1.0)]
+    for trial in range(10):
+        drawn = sample_tokens(
+            logits, samplings, [torch.Generator().manual_seed(10 * trial + b) for b in range(8)]
+        )
+        for b, (token, logprob) in enumerate(drawn):
+            assert token % 2 == 0 and token != vocab - 1
+            expected = torch.log_softmax(logits[b].double() / samplings[b].temperature, -1)[token]
+            assert abs(logprob - float(expected)) < 1e-5
+
+
 def test_sample_tokens_draws_each_row_as_if_alone() -> None:
     """A row's token and logprob depend on its logits and generator only: batched sampling (the
     engine's decode step) equals sampling each row by itself, whatever the other rows ask for."""

@@ -32,21 +32,30 @@ def _candidates(logprobs_V: torch.Tensor, top_k: int, top_p: float) -> tuple[tor
     return values[:n], ids[:n]
 
 
-def _draw_rows(logprobs_B_V: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
-    """Per row, the index of a sample from log-probabilities (normalized over the vocabulary, so
-    the largest is at least -log V: ``exp`` cannot underflow them all): the inverse CDF of one
-    uniform number from each row's generator.
+def _draw_rows(scores_B_V: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """Per row, the index of a sample from ``softmax(scores)`` (``_draw``)."""
+    return _draw(scores_B_V, generators)[0].tolist()
 
-    The weights are ``exp`` in float32 (relative error ~1e-7 each); their running sum is in float64,
-    two-level so as not to run float64 math over the whole vocabulary (14 of 16 ms of a decode
-    step's sampling at batch 32 over 49k tokens): the sums of blocks of ``_BLOCK`` tokens find the
-    block, a cumulative sum inside that block finds the token."""
-    w_B_V = torch.exp(logprobs_B_V)
-    rows, vocab = w_B_V.shape
+
+def _draw(
+    scores_B_V: torch.Tensor, generators: Sequence[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, a sample from ``softmax(scores)`` by the inverse CDF of one uniform number from the
+    row's generator, and the row's log normalizer (``logsumexp``, float64): ``[B]`` ids, ``[B]``.
+
+    The weights are ``exp(scores - max)`` in float32 (relative error ~1e-7 each; the largest is 1, so
+    they cannot all underflow). The CDF is two-level, so as not to run float64 math over the whole
+    vocabulary (a float64 sum over it took 17-28 of a decode step's ~35 ms of sampling at batch 32
+    over Qwen's 152k tokens): float32 sums of blocks of ``_BLOCK`` tokens, accumulated in float64,
+    find the block; a float64 cumulative sum inside the block finds the token, at the same fraction
+    of the block's mass. A token of zero weight is never drawn."""
+    rows, vocab = scores_B_V.shape
+    top_B1 = scores_B_V.amax(-1, keepdim=True)
+    w_B_V = (scores_B_V - top_B1).exp_()
     full = vocab - vocab % _BLOCK
-    sums_B_N = w_B_V[:, :full].reshape(rows, -1, _BLOCK).sum(-1, dtype=torch.float64)
+    sums_B_N = w_B_V[:, :full].reshape(rows, -1, _BLOCK).sum(-1).double()
     if full < vocab:  # the last, partial block
-        sums_B_N = torch.cat([sums_B_N, w_B_V[:, full:].sum(-1, dtype=torch.float64)[:, None]], 1)
+        sums_B_N = torch.cat([sums_B_N, w_B_V[:, full:].sum(-1).double()[:, None]], 1)
     cdf_B_N = torch.cumsum(sums_B_N, -1)
     # the generators are the requests' own, on the CPU (their draws do not depend on the device)
     u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
@@ -54,10 +63,17 @@ def _draw_rows(logprobs_B_V: torch.Tensor, generators: Sequence[torch.Generator]
     target_B1 = (u_B * cdf_B_N[:, -1])[:, None]
     block_B1 = torch.searchsorted(cdf_B_N, target_B1, right=True).clamp_(max=cdf_B_N.shape[1] - 1)
     before_B1 = torch.where(block_B1 > 0, cdf_B_N.gather(1, (block_B1 - 1).clamp(min=0)), 0.0)
+    mass_B1 = cdf_B_N.gather(1, block_B1) - before_B1
     ids_B_K = block_B1 * _BLOCK + torch.arange(_BLOCK, device=w_B_V.device)
     inside_B_K = w_B_V.gather(1, ids_B_K.clamp(max=vocab - 1)).double().masked_fill_(ids_B_K >= vocab, 0.0)
-    within_B1 = torch.searchsorted(torch.cumsum(inside_B_K, -1) + before_B1, target_B1, right=True)
-    return (block_B1 * _BLOCK + within_B1)[:, 0].clamp_(max=vocab - 1).tolist()
+    inside_B_K = torch.cumsum(inside_B_K, -1)
+    fraction_B1 = ((target_B1 - before_B1) / mass_B1).clamp_(0.0, 1.0)
+    within_B1 = torch.searchsorted(inside_B_K, fraction_B1 * inside_B_K[:, -1:], right=True)
+    # rounding may put the target at the block's very end: take its last token of weight instead
+    last_B1 = torch.searchsorted(inside_B_K, inside_B_K[:, -1:].contiguous())
+    within_B1 = torch.minimum(within_B1, last_B1)
+    log_total_B = top_B1[:, 0].double() + torch.log(cdf_B_N[:, -1])
+    return (block_B1 * _BLOCK + within_B1)[:, 0], log_total_B
 
 
 def sample_tokens(
@@ -72,25 +88,26 @@ def sample_tokens(
     if any(t != 1.0 for t in temps):
         temps_B = torch.tensor(temps, dtype=logits_B_V.dtype, device=logits_B_V.device)
         logits_B_V = logits_B_V / temps_B[:, None]
-    logprobs_B_V = torch.log_softmax(logits_B_V, -1)
-    tokens = [0] * len(samplings)
+    drawn: list[tuple[int, float]] = [(0, 0.0)] * len(samplings)
     plain = []
     for b, s in enumerate(samplings):
-        if s.temperature <= 0:
-            tokens[b] = int(torch.argmax(logits_B_V[b]))
-        elif s.top_k <= 0 and s.top_p >= 1.0:
+        if s.top_k <= 0 and s.top_p >= 1.0 and s.temperature > 0:
             plain.append(b)
+            continue
+        logprobs_V = torch.log_softmax(logits_B_V[b], -1)
+        if s.temperature <= 0:
+            token = int(torch.argmax(logits_B_V[b]))
         else:
-            values, ids = _candidates(logprobs_B_V[b], s.top_k, s.top_p)
-            tokens[b] = int(ids[_draw_rows(values[None], [generators[b]])[0]])
+            values, ids = _candidates(logprobs_V, s.top_k, s.top_p)
+            token = int(ids[_draw_rows(values[None], [generators[b]])[0]])
+        drawn[b] = (token, float(logprobs_V[token]))
     if plain:
-        rows_B_V = logprobs_B_V if len(plain) == len(tokens) else logprobs_B_V[plain]  # no 6 MB copy
-        drawn = _draw_rows(rows_B_V, [generators[b] for b in plain])
-        for b, token in zip(plain, drawn, strict=True):
-            tokens[b] = token
-    rows = torch.arange(len(tokens), device=logits_B_V.device)
-    picked = logprobs_B_V[rows, torch.tensor(tokens, device=logits_B_V.device)].tolist()
-    return list(zip(tokens, picked, strict=True))
+        rows_B_V = logits_B_V if len(plain) == len(samplings) else logits_B_V[plain]  # no 6 MB copy
+        ids_B, log_total_B = _draw(rows_B_V, [generators[b] for b in plain])
+        picked_B = rows_B_V.gather(1, ids_B[:, None])[:, 0].double() - log_total_B
+        for b, token, logprob in zip(plain, ids_B.tolist(), picked_B.tolist(), strict=True):
+            drawn[b] = (token, logprob)
+    return drawn
 
 
 def sample_token(
