@@ -10,9 +10,11 @@ group size, through ``turnrl.rollout.collector.collect``:
   from a process that imported the SDK once and made a client.
 Throughput is sampled tokens per wall second (and trajectories per second); the two alternate,
 ``--repeats`` times each, and the ratio is of medians. Use a model that calls the tool (the
-warm-started checkpoint of ``examples/harness/train_lookup.yaml``) for two-turn episodes.
+warm-started checkpoint of ``examples/harness/train_lookup.yaml``) for two-turn episodes. With
+``--engine vllm`` a vLLM server that turnrl starts (scripts/install_vllm.sh) serves every side.
 
     .venv/bin/python bench/harness_vs_env.py [--model smollm2-135m] [--prompts 8] [--group 4]
+        [--engine hf|vllm] [--sides env,harness,forked]
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from turnrl.app.engines import hf_engine
+from turnrl.app.engines import hf_engine, vllm_engine
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import HarnessConfig
+from turnrl.config import HarnessConfig, VLLMEngineConfig
 from turnrl.data import to_samples
 from turnrl.env.builtin.key_lookup import KeyLookupEnv
 from turnrl.harness import HarnessRunner
+from turnrl.models import load_tokenizer
 from turnrl.rollout.collector import collect
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.imports import add_search_path
@@ -51,10 +55,18 @@ async def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--sides", default="env,harness,forked", help="which sides to run, comma-separated")
     args = parser.parse_args()
     add_search_path(ROOT / "examples" / "harness")
-    engine = hf_engine(args.model)
-    encoder = ChatEncoder(engine.tokenizer)
+    if args.engine == "vllm":
+        tokenizer = load_tokenizer(args.model)
+        config = VLLMEngineConfig(kind="vllm", max_model_len=4096, kv_cache_gib=2)
+        engine: Any = vllm_engine(args.model, config, tokenizer, say=None)
+    else:
+        engine = hf_engine(args.model)
+        tokenizer = engine.tokenizer
+    encoder = ChatEncoder(tokenizer)
     samples = to_samples(KeyLookupEnv.dataset(size=args.prompts, seed=5), "bench", None, True)
     spec = RolloutSpec(
         env_factory=KeyLookupEnv,
@@ -75,11 +87,12 @@ async def main() -> None:
     runner = HarnessRunner(harness, engine, encoder, get_parser("hermes"), args.model, out)
     preloaded = harness.model_copy(update={"preload": ["openai", "turnrl.harness.warm:openai"]})
     forked = HarnessRunner(preloaded, engine, encoder, get_parser("hermes"), args.model, out / "forked")
-    sides = {
+    every = {
         "env": spec,
         "harness": dataclasses.replace(spec, runner=runner),
         "forked": dataclasses.replace(spec, runner=forked),
     }
+    sides = {name: every[name] for name in args.sides.split(",")}
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for repeat in range(args.repeats + 1):  # the first round warms both up and is not counted
         for name, side in sides.items():
@@ -99,9 +112,10 @@ async def main() -> None:
     await forked.close()
     await engine.close()
     env = statistics.median(rates["env"])
-    print(f"{args.model}, {args.prompts} prompts x {args.group}, median of {args.repeats} (sampled tok/s):")
+    where = f"{args.model} on {'a vLLM server' if args.engine == 'vllm' else 'the embedded engine'}"
+    print(f"{where}, {args.prompts} prompts x {args.group}, median of {args.repeats} (sampled tok/s):")
     print(f"  env       {env:8.1f}")
-    for name in ("harness", "forked"):
+    for name in [side for side in sides if side != "env"]:
         rate = statistics.median(rates[name])
         print(f"  {name:<9} {rate:8.1f}   {name} / env: {rate / env:.2f}")
 

@@ -239,6 +239,31 @@ def test_a_forked_run_sees_what_a_new_process_would(
     assert tails == [("to stdout\n", "to stderr\n")] * 2
 
 
+def test_the_warm_up_shares_one_ssl_context_among_a_runs_default_clients() -> None:
+    """After ``turnrl.harness.warm:openai`` (in a process of its own: it patches the HTTP stack), the
+    openai and anthropic SDKs' clients share one SSL context, made once; a client with a CA file
+    variable of its own, or without verification, still gets a context of its own."""
+    script = """
+import os, time
+from turnrl.harness import warm
+warm.openai(); warm.anthropic()
+import anthropic, openai
+ctx = lambda c: c._client._transport._pool._ssl_context
+a, b = (openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="k") for _ in range(2))
+c = anthropic.Anthropic(base_url="http://127.0.0.1:9", api_key="k")
+plain = openai.DefaultHttpxClient(verify=False)
+unverified = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="k", http_client=plain)
+os.environ["SSL_CERT_FILE"] = os.environ.get("SSL_CERT_FILE", "") + ".other"
+try:
+    other = ctx(openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="k"))
+except OSError:  # the CA file does not exist: a context of its own was attempted
+    other = None
+print(ctx(a) is ctx(b) is ctx(c), ctx(unverified) is not ctx(a), other is not ctx(a))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True", "True"]
+
+
 def test_a_preload_that_cannot_import_is_one_line(qwen3_tokenizer: Any, tmp_path: Path) -> None:
     from turnrl.harness.process import check_preload
 
