@@ -1,0 +1,91 @@
+"""What starting one harness run costs in CPU: a new ``python`` process against a run forked from
+turnrl's fork server (``env.preload``), for an agent that imports the openai SDK and makes a client.
+
+Each way runs ``--runs`` agents one after another and takes the CPU time of the processes it
+started (user + system, from ``RUSAGE_CHILDREN``); the fork server's own start is measured alone
+(no run) and taken off. No model is involved: the agent makes no call.
+
+    .venv/bin/python bench/harness_start.py [--runs 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from turnrl.harness.forkserver import ForkServer
+
+AGENT = """
+import sys
+from openai import OpenAI
+
+client = OpenAI(base_url="http://127.0.0.1:9/v1", api_key="key", max_retries=0)
+messages = [{"role": "user", "content": sys.argv[1]}]
+_ = client.chat.completions
+print("done")
+"""
+PRELOAD = ["openai", "turnrl.harness.warm:openai"]
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def forked(agent: Path, folder: Path, runs: int) -> float:
+    """CPU seconds of the fork server and its ``runs`` runs (the server's are reported when it ends)."""
+    server = ForkServer(PRELOAD)
+    before = children_cpu()
+    out, err = folder / "stdout", folder / "stderr"
+    out.touch()
+    err.touch()
+    for _ in range(runs):
+        pid = await server.spawn(
+            [sys.executable, str(agent), "hi"], str(folder), dict(os.environ), str(out), str(err)
+        )
+        assert await server.wait(pid) == 0, err.read_text()
+    if runs == 0:  # start it anyway: its own start is what is taken off
+        await server._start()
+    await server.close()
+    return children_cpu() - before
+
+
+def processes(agent: Path, runs: int) -> float:
+    before = children_cpu()
+    for _ in range(runs):
+        subprocess.run([sys.executable, str(agent), "hi"], check=True, capture_output=True)
+    return children_cpu() - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        agent = folder / "agent.py"
+        agent.write_text(AGENT)
+        rows: dict[str, list[float]] = {"new process": [], "forked": []}
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            rows["new process"].append(processes(agent, args.runs) / args.runs)
+            start = asyncio.run(forked(agent, folder, 0))
+            rows["forked"].append((asyncio.run(forked(agent, folder, args.runs)) - start) / args.runs)
+            print(f"  round in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(f"CPU per run (user + system), median of {args.repeats} rounds of {args.runs} runs:")
+    for name, values in rows.items():
+        values.sort()
+        every = ", ".join(f"{v * 1000:.0f}" for v in values)
+        print(f"  {name:<12} {values[len(values) // 2] * 1000:7.1f} ms   (all: {every})")
+
+
+if __name__ == "__main__":
+    main()
