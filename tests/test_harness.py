@@ -243,8 +243,8 @@ def test_a_forked_run_leaves_the_preloaded_objects_to_the_collectors_permanent_g
     tmp_path: Path,
 ) -> None:
     """The fork server freezes what it holds before each fork, so a run's collections skip the
-    preloaded SDK's objects (touching them copied their pages: ~0.5 s of CPU per run); the run's
-    own objects are still collected."""
+    preloaded SDK's objects and leave their pages shared; the run's own objects are still
+    collected."""
     from turnrl.harness.forkserver import ForkServer
 
     agent = tmp_path / "agent.py"

@@ -195,8 +195,7 @@ def _serve() -> dict[str, Any]:
             sys.stdout.flush()
             sys.stderr.flush()
             # what the server holds goes to the collector's permanent generation, so the run's
-            # collections (and its exit's) skip it: without this, each forked run touched every
-            # preloaded object, copying their pages, ~0.5 s of CPU with the openai SDK loaded
+            # collections skip it and leave its pages shared (Python's advice for fork servers)
             gc.freeze()
             try:
                 pid = os.fork()
