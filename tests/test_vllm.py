@@ -199,6 +199,19 @@ def test_cores_split_into_one_run_per_server_unless_the_user_binds_them(
     assert binds == ["5|6", "5|6"]
 
 
+def test_each_started_server_samples_from_its_own_seed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Requests that name no seed draw from their server's generator: one seed for every server made
+    two servers handed the same prompts answer alike (half of verl's games were copies)."""
+    from turnrl.engines import vllm_server
+
+    monkeypatch.setattr(vllm_server, "find_vllm_python", lambda _: Path(sys.executable))
+    servers = vllm_server.servers_for(tmp_path, 3, None, seed=5)
+    seeds = [s.command()[s.command().index("--seed") + 1] for s in servers]
+    assert seeds == ["5", "6", "7"]
+
+
 def test_server_args_from_the_environment_go_under_the_configs_own(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

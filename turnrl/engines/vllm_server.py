@@ -167,8 +167,14 @@ class VLLMServer(ServerProcess):
         return env | self.env
 
 
-def servers_for(model_dir: Path, count: int, log_dir: Path | None, **kwargs: Any) -> Sequence[VLLMServer]:
+def servers_for(
+    model_dir: Path, count: int, log_dir: Path | None, *, seed: int = 0, **kwargs: Any
+) -> Sequence[VLLMServer]:
     """``count`` server descriptions for ``model_dir``, logging to ``log_dir/vllm-K.log``.
+
+    Server K starts with ``--seed seed + K``. A request that names no seed (verl's, or any
+    client's) draws from its server's own generator; with one seed for all, servers handed the
+    same prompts in the same order (a GRPO group spread over them) sampled the same answers.
 
     A CPU build's servers share this process's cores between them (``VLLM_CPU_OMP_THREADS_BIND``,
     unless it is set): one server computes on all of them. Left alone, vLLM keeps one core per
@@ -183,6 +189,7 @@ def servers_for(model_dir: Path, count: int, log_dir: Path | None, **kwargs: Any
             model_dir,
             log_path=log_dir / f"vllm-{k}.log" if log_dir else None,
             env={"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else None,
+            seed=seed + k,
             **kwargs,
         )
         for k, bind in enumerate(binds)
