@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from gateway_fixtures import Recorder, assert_exact
+from gateway_fixtures import START, Recorder, assert_exact, gateway_for
 
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import HarnessConfig
@@ -80,6 +81,62 @@ async def test_runs_that_start_at_once_share_one_gateway_and_close_leaves_no_lis
     await runner.close()
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
+
+
+class Stuck:
+    """An engine whose calls never end (a model mid-generation when the run is stopped)."""
+
+    def __init__(self) -> None:
+        self.called = asyncio.Event()
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.called.set()
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_stopped_run_does_not_report_its_calls_in_flight_as_errors(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    """Ctrl-C mid-step: the loop cancels every task, the calls in flight among them; uvicorn logged
+    each as an error with two tracebacks. Now it says nothing of them."""
+    import logging
+
+    import httpx
+
+    from turnrl.harness.serving import serve
+
+    stuck = Stuck()
+    gateway = gateway_for(stuck, qwen3_tokenizer, tmp_path)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("uvicorn.error")
+
+    async def main() -> None:
+        served = await serve(gateway)
+        logger.addHandler(handler)  # after uvicorn configured its logging, which drops handlers
+        client = httpx.AsyncClient()
+        body = {"model": "tiny-qwen3", "messages": START}
+        call = asyncio.create_task(client.post(f"{served.url}/v1/chat/completions", json=body))
+        await asyncio.wait_for(stuck.called.wait(), 30)
+        assert not call.done()
+        left = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in left:  # what asyncio.run does to the tasks left when Ctrl-C ends the run
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        await client.aclose()
+        for listener in served.server.servers:
+            listener.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        logger.removeHandler(handler)
+    assert stuck.called.is_set()
+    assert [r.getMessage() for r in records if r.levelno >= logging.ERROR] == []
 
 
 @pytest.mark.parametrize("preload", [[], ["openai"]], ids=["process", "forked"])
@@ -271,6 +328,81 @@ def test_a_forked_run_leaves_the_preloaded_objects_to_the_collectors_permanent_g
     assert asyncio.run(run()) == 0, err.read_text()
     frozen, enabled, found = json.loads((tmp_path / "seen.json").read_text())
     assert frozen > 10_000 and enabled and found >= 1
+
+
+ENDINGS = {
+    "left open": """
+import atexit, gc, os, sys, threading, time
+gc.disable()  # python's last collection at exit runs anyway
+os.kept = open("kept.txt", "w")  # held by a module, as a library holds its own files
+os.kept.write("written, never closed")
+os.raw = open("kept.bin", "wb")
+os.raw.write(b"bytes, never closed")
+cycle = [open("cycle.txt", "w")]
+cycle.append(cycle)
+cycle[0].write("in a cycle")
+del cycle
+atexit.register(lambda: open("atexit.txt", "w").write("at exit"))
+threading.Thread(target=lambda: (time.sleep(0.3), open("thread.txt", "w").write("joined"))).start()
+print("no newline", end="")
+sys.exit(3)
+""",
+    "raises": "import json\n\ndef agent():\n    raise ValueError('boom')\n\nagent()\n",
+    "says why": "import sys\nprint('out')\nsys.exit('bye')\n",
+    "interrupted": "raise KeyboardInterrupt\n",
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_forked_run_ends_as_a_new_process_would(tmp_path: Path, ending: str) -> None:
+    """A forked run exits without freeing every object (that would copy the pages it shares with the
+    server), yet ends as ``python agent.py`` does: the same status, output and traceback, atexit
+    functions run, threads joined, and the files it left open written out and closed."""
+    from turnrl.harness.forkserver import ForkServer
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(ENDINGS[ending])
+
+    def seen(folder: Path, code: int) -> dict[str, Any]:
+        files = {
+            p.name: p.read_text() for p in sorted(folder.iterdir()) if p.name not in ("stdout", "stderr")
+        }
+        return {
+            "code": code,
+            "out": (folder / "stdout").read_text(),
+            "err": (folder / "stderr").read_text(),
+            **files,
+        }
+
+    def process(folder: Path) -> dict[str, Any]:
+        with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+            code = subprocess.run([sys.executable, str(agent)], cwd=folder, stdout=out, stderr=err).returncode
+        return seen(folder, code)
+
+    async def forked(folder: Path) -> dict[str, Any]:
+        out, err = folder / "stdout", folder / "stderr"
+        out.touch()
+        err.touch()
+        server = ForkServer(["openai"])
+        try:
+            argv = [sys.executable, str(agent)]
+            code = await server.wait(
+                await server.spawn(argv, str(folder), dict(os.environ), str(out), str(err))
+            )
+        finally:
+            await server.close()
+        return seen(folder, code)
+
+    (tmp_path / "process").mkdir()
+    (tmp_path / "forked").mkdir()
+    expected = process(tmp_path / "process")
+    assert asyncio.run(forked(tmp_path / "forked")) == expected
+    if ending == "left open":
+        assert expected["code"] == 3 and expected["out"] == "no newline"
+        assert expected["kept.bin"] == "bytes, never closed" and expected["thread.txt"] == "joined"
+        assert len(expected) == 8
+    else:
+        assert expected["code"] == {"raises": 1, "says why": 1, "interrupted": -signal.SIGINT}[ending]
 
 
 def test_the_warm_up_shares_one_ssl_context_among_a_runs_default_clients() -> None:

@@ -4,9 +4,11 @@ SDK alone costs ~0.7 s of CPU per process).
 
 A forked run is what a fresh ``python`` would be, as far as the agent can tell: a session (a process
 group) of its own, its own folder as working directory, its own variables (``os.environ``), its own
-stdin (/dev/null), stdout and stderr files, ``sys.argv`` and ``sys.path[0]``, and exit code. What it
-shares with the server is what was imported before the fork, so a preloaded module must not read the
-run's variables at import time (it saw turnrl's).
+stdin (/dev/null), stdout and stderr files, ``sys.argv`` and ``sys.path[0]``, and exit code. It ends
+as ``python`` does (threads joined, ``atexit`` functions run, files left open written and closed, the
+same status and traceback) without freeing every object one by one, which would copy every page it
+shares with the server. What it shares with the server is what was imported before the fork, so a
+preloaded module must not read the run's variables at import time (it saw turnrl's).
 
 ``python -m turnrl.harness.forkserver [--path FOLDER]... MODULE...`` (FOLDER: where else a module may
 be, for its import only; a "module:function" is imported and called once, a warm-up) speaks JSON
@@ -23,12 +25,14 @@ import asyncio
 import contextlib
 import gc
 import importlib
+import io
 import json
 import os
 import select
 import signal
 import sys
 from collections.abc import Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 
@@ -273,7 +277,97 @@ def main() -> None:
     for folder in search:  # a run's own sys.path is a new process's
         sys.path.remove(folder)
     _say({"ready": True})
-    _become(_serve())
+    os._exit(_run(_serve()))
+
+
+def _run(request: dict[str, Any]) -> int:
+    """In the fork: the run, then its exit status as ``python`` would give it."""
+    code = 0
+    try:
+        _become(request)
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:  # the traceback python prints, from the agent's own frames
+        tb = _agents_frames(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+    code = _finish(code)
+    if code == -signal.SIGINT:  # python ends by the signal itself, as the shell expects
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def _agents_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback without the fork server's and runpy's frames above the agent's."""
+    import runpy
+
+    ours = {_become.__code__.co_filename, runpy.__file__, "<frozen runpy>"}
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    return tb
+
+
+def _exit_code(code: object) -> int:
+    """The status ``sys.exit(code)`` gives: 0 for None, the number, else 1 after printing it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int) -> int:
+    """What an interpreter does at exit, short of freeing every object: that would touch every page
+    the run shares with the server, copying them all (two thirds of a forked run's CPU for an agent
+    on the openai SDK). Threads are joined, ``atexit`` functions run, the files the run left open
+    are closed (their buffers written) and the standard streams flushed."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException as exc:  # a join interrupted: go on exiting, as python does
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    atexit._run_exitfuncs()
+    _close_files()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader gone
+            code = code or 120  # python's status when its streams cannot be flushed at exit
+    return code
+
+
+def _close_files() -> None:
+    """Close the files the run opened and left open, wrappers before what they wrap, as the
+    interpreter's last collection would. Only the run's own objects are looked at: those the
+    server held are frozen (``gc.freeze`` before the fork), out of the generations searched."""
+    gc.collect()  # the run's unreachable cycles, files among them, finalized now
+    standard = {
+        id(s) for s in (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__)
+    }
+    layers: tuple[list[io.IOBase], ...] = ([], [], [], [])
+    for generation in range(3):
+        for obj in gc.get_objects(generation):
+            if isinstance(obj, io.IOBase) and id(obj) not in standard:
+                layers[_layer(obj)].append(obj)
+    for layer in layers:
+        for file in layer:
+            with contextlib.suppress(Exception):
+                file.close()
+
+
+def _layer(file: io.IOBase) -> int:
+    """0 for a wrapper written in Python (a gzip file), 1 text, 2 buffered, 3 raw."""
+    if isinstance(file, io.TextIOWrapper):
+        return 1
+    if isinstance(file, (io.BufferedWriter, io.BufferedRandom, io.BufferedReader, io.BufferedRWPair)):
+        return 2
+    if isinstance(file, io.FileIO):
+        return 3
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import uvicorn
@@ -19,6 +20,18 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+class _QuietCancellations(logging.Filter):
+    """Drops uvicorn's report of a call cancelled because the run is stopping: on Ctrl-C the loop
+    cancels every task, and uvicorn logged each call in flight as an error with two tracebacks (24 of
+    them for one step of a harness run). The run says itself that it stopped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
+_QUIET = _QuietCancellations()
 
 
 class Served:
@@ -36,6 +49,7 @@ class Served:
 async def serve(gateway: Gateway, host: str = "127.0.0.1") -> Served:
     """Serve ``gateway`` on a free port of ``host`` in this loop; returns once it listens."""
     config = uvicorn.Config(make_app(gateway), host, 0, log_level="warning", lifespan="off")
+    logging.getLogger("uvicorn.error").addFilter(_QUIET)  # once: a filter is added only once
     server = _Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
