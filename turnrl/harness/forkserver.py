@@ -348,15 +348,15 @@ def _close_files() -> None:
     standard = {
         id(s) for s in (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__)
     }
-    layers: tuple[list[io.IOBase], ...] = ([], [], [], [])
-    for generation in range(3):
-        for obj in gc.get_objects(generation):
-            if isinstance(obj, io.IOBase) and id(obj) not in standard:
-                layers[_layer(obj)].append(obj)
-    for layer in layers:
-        for file in layer:
-            with contextlib.suppress(Exception):
-                file.close()
+    files = [
+        obj
+        for generation in range(3)
+        for obj in gc.get_objects(generation)
+        if isinstance(obj, io.IOBase) and id(obj) not in standard
+    ]
+    for file in sorted(files, key=_layer):
+        with contextlib.suppress(Exception):
+            file.close()
 
 
 def _layer(file: io.IOBase) -> int:

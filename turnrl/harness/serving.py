@@ -49,7 +49,7 @@ class Served:
 async def serve(gateway: Gateway, host: str = "127.0.0.1") -> Served:
     """Serve ``gateway`` on a free port of ``host`` in this loop; returns once it listens."""
     config = uvicorn.Config(make_app(gateway), host, 0, log_level="warning", lifespan="off")
-    logging.getLogger("uvicorn.error").addFilter(_QUIET)  # once: a filter is added only once
+    logging.getLogger("uvicorn.error").addFilter(_QUIET)  # no-op when it is there already
     server = _Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
