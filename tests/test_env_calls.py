@@ -177,3 +177,41 @@ def test_the_timed_await_passes_results_errors_and_cancellation_through() -> Non
         assert env_calls.blocking(env) is None
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("where", ["this loop", "a worker thread"])
+def test_a_cancelled_env_call_is_never_finished_as_if_nothing_happened(where: str) -> None:
+    """A stop (Ctrl-C, SIGTERM, a group stopped early) cancels each trajectory's task. A cancel that
+    lands as the env's call finishes must still end the task: swallowed (as Python 3.11's
+    ``asyncio.wait_for`` does when its inner call is already done), the trajectory went on to its
+    next model turn and the stop waited on a request nobody wanted."""
+
+    class Instant:
+        async def step(self) -> int:
+            return 7
+
+    env = Instant()
+    if where == "a worker thread":
+        env_calls._blocking[Instant] = "made so by the test"
+
+    async def cancelled_after(ticks: int) -> bool:
+        """Whether a cancel after ``ticks`` loop turns, if the task took it, ended the task."""
+        task = asyncio.create_task(env_calls.call(env, "step", env.step, 5.0))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        if not task.cancel():
+            return True  # already done: nothing was cancelled
+        try:
+            await task
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    async def main() -> list[int]:
+        return [ticks for ticks in range(12) if not await cancelled_after(ticks)]
+
+    try:
+        assert asyncio.run(main()) == []
+    finally:
+        env_calls.release(env)
+        env_calls._blocking.pop(Instant, None)

@@ -69,6 +69,7 @@ class FaultServer:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._stop = asyncio.Event()
+        self.holding = False  # True: no answer at all (a server that stopped responding) until False
         self.requests = 0  # completion requests received
         self.faults = 0  # of them, answered with the fault
         self.port = 0
@@ -148,6 +149,9 @@ class FaultServer:
             return True
         if self._delay_s:
             await asyncio.sleep(self._delay_s)
+        if self.holding:  # what was asked while holding is never answered
+            await self._stop.wait()
+            return False
         payload = json.loads(body or b"{}")
         prompt = [int(t) for t in payload.get("prompt") or []]
         full = self._reply(prompt)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -440,6 +441,11 @@ def _config(kit: Kit, url: str, out: Path, n: int) -> Path:
     return path
 
 
+def _fresh(kit: Kit, name: str) -> Path:
+    """An output folder named ``name`` that no earlier run of the row used (a row may run twice)."""
+    return next(p for p in (kit.tmp / f"{name}-{i}" for i in itertools.count()) if not p.exists())
+
+
 def _turnrl(config: Path, *extra: str) -> subprocess.Popen[str]:
     tests = str(Path(__file__).resolve().parents[1])  # where ``fault_harness`` is imported from
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
@@ -507,7 +513,7 @@ async def kill_row(kit: Kit, n: int, kills: int, seed: int = 0) -> Row:
     row = Row(f"kill -9 x{kills} + --resume", n, bound_s=120.0)
     landed = 0
     async with FaultServer(lambda prompt: kit.ids(STORY), delay_s=0.1) as server:
-        out = kit.tmp / f"killed-{seed}"
+        out = _fresh(kit, f"killed-{seed}")
         config = _config(kit, server.url, out, n)
         path = out / "trajectories.jsonl"
         for k in range(kills):
@@ -535,19 +541,22 @@ async def kill_row(kit: Kit, n: int, kills: int, seed: int = 0) -> Row:
 
 
 async def sigterm_row(kit: Kit, n: int) -> Row:
-    """SIGTERM to a running ``turnrl rollout``: it stops within the bound, says how to resume,
-    and ``--resume`` completes the run."""
+    """SIGTERM to a running ``turnrl rollout`` whose server stops answering at that moment: it stops
+    within the bound, says how to resume, and ``--resume`` completes the run."""
     row = Row("SIGTERM + --resume", n, bound_s=10.0)
     async with FaultServer(lambda prompt: kit.ids(STORY), delay_s=0.05) as server:
-        out = kit.tmp / "terminated"
+        out = _fresh(kit, "terminated")
         config = _config(kit, server.url, out, n)
         path = out / "trajectories.jsonl"
         proc = _turnrl(config)
         await _wait_lines(proc, path, 4, 60)
+        # from the signal on, the server answers nothing: the stop must not wait on requests in flight
+        server.holding = True
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rc, err = await _finish(proc, 30)
         row.max_stop_s = time.monotonic() - t0
+        server.holding = False
         if rc is None:
             row.problems.append("still running 30 s after SIGTERM")
         elif rc not in (130, 143):

@@ -56,11 +56,16 @@ def _close_soon(env: Env) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            asyncio.run(asyncio.wait_for(env.close(), 10))
+            asyncio.run(_closed(env, 10.0))
         else:
             task = loop.create_task(env.close())
             _closing.add(task)
             task.add_done_callback(_closing.discard)
+
+
+async def _closed(env: Env, timeout_s: float) -> None:
+    async with asyncio.timeout(timeout_s):
+        await env.close()
 
 
 def check_template(encoder: ChatEncoder, first: Sample) -> None:

@@ -153,7 +153,8 @@ class RayEngine:
         if not self.owned:
             return
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(await_call(self.handle.close.remote()), 30.0)
+            async with asyncio.timeout(30.0):
+                await await_call(self.handle.close.remote())
         ray.kill(self.handle)
         await _until_dead(self.handle, 30.0)  # ray.kill returns before the actor is gone
 
@@ -163,7 +164,8 @@ async def _until_dead(handle: Any, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            await asyncio.wait_for(await_call(handle.ping.remote()), 1.0)
+            async with asyncio.timeout(1.0):
+                await await_call(handle.ping.remote())
         except ray.exceptions.RayActorError:
             return
         except Exception:  # a timeout while it dies: ask again

@@ -207,7 +207,8 @@ class RemoteEnv(Env):
             return
         try:
             close = self._pool._call(worker, "close", self._eid)
-            await asyncio.wait_for(close, self._pool.config.close_timeout_s)
+            async with asyncio.timeout(self._pool.config.close_timeout_s):
+                await close
         finally:
             self._drop()
 

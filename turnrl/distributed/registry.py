@@ -116,7 +116,8 @@ class EngineRegistry:
         from ray.exceptions import ActorDiedError
 
         try:
-            await asyncio.wait_for(entry.handle.ping.remote(), self.health_timeout_s)
+            async with asyncio.timeout(self.health_timeout_s):
+                await entry.handle.ping.remote()
         except ActorDiedError as exc:
             return False, True, f"actor died: {exc}".splitlines()[0]
         except Exception as exc:

@@ -127,7 +127,8 @@ async def run_agent(
         return Exit(None, False, "", "", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
     timed_out, code, error = False, None, None
     try:
-        code = await asyncio.wait_for(waited(pid), timeout)
+        async with asyncio.timeout(timeout):
+            code = await waited(pid)
     except TimeoutError:
         timed_out = True
     except OSError as exc:  # the fork server went away

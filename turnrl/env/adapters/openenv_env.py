@@ -134,7 +134,8 @@ class OpenEnvSession:
             try:
                 with contextlib.suppress(ConnectionClosed):  # a server that hung up may have said why
                     await self._ws.send(json.dumps(message))
-                raw = await asyncio.wait_for(self._ws.recv(), self.message_timeout_s)
+                async with asyncio.timeout(self.message_timeout_s):
+                    raw = await self._ws.recv()
             except TimeoutError:
                 self.broken = OpenEnvError(
                     f"OpenEnv server {self.url}: no answer to {what} in {self.message_timeout_s:g} s"
