@@ -1,6 +1,6 @@
 """The fault suite's table: every fault a rollout meets, N trajectories each (tests/fault_harness/suite.py).
 
-    .venv/bin/python bench/faults.py [--n 32] [--fast] [--only "server" "kill"]
+    .venv/bin/python bench/faults.py [--n 32] [--fast] [--only "server" "kill"] [--repeat 1]
 
 Prints one Markdown table (fault | N | returned | lost | duplicated | stop reasons | max time to
 stop | verdict); exits 1 when a row fails. The disk rows mount small tmpfs folders (root).
@@ -25,6 +25,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=32, help="trajectories per row")
     parser.add_argument("--fast", action="store_true", help="only the rows CI runs")
     parser.add_argument("--only", nargs="*", default=[], help="rows whose name contains one of these")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each row (a race shows in some)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="turnrl-faults-"))
     t0 = time.monotonic()
@@ -33,7 +34,11 @@ def main() -> int:
         print(f"{row.fault}: {row.verdict} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
 
     try:
-        rows = asyncio.run(run_suite(tmp, args.n, args.only, args.fast, progress))
+        rows = [
+            row
+            for _ in range(args.repeat)
+            for row in asyncio.run(run_suite(tmp, args.n, args.only, args.fast, progress))
+        ]
     finally:
         clean(tmp)
     print(table(rows))

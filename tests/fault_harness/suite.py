@@ -201,8 +201,10 @@ def judge(
 
 
 def scripted(kit: Kit, text: str) -> ScriptedEngine:
-    """An engine that samples ``text`` (then eos) every turn."""
-    return ScriptedEngine(kit.tokenizer, lambda prompt, sampling: text)
+    """An engine that samples ``text`` (then eos) every turn, encoded once: a row's clock is for
+    turnrl's work, and encoding a 1,000-call reply each turn was a third of that row's."""
+    ids = kit.ids(text)
+    return ScriptedEngine(kit.tokenizer, lambda prompt, sampling: ids)
 
 
 async def env_row(
