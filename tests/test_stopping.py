@@ -71,6 +71,8 @@ def test_a_stop_that_does_not_finish_is_forced(kind: str, said: str) -> None:
         assert "Thread 0x" in err and "continue with: turnrl train x.yaml --resume" in err
     else:
         assert "interrupted" in err and "did not stop" not in err
+    # what held the stop: the task that lost its cancel, where it waits
+    assert "1 task waiting at <string>:" in err and "in command" in err, err
 
 
 def test_without_enforce_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:

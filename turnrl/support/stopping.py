@@ -1,6 +1,7 @@
 """Every stop is bounded: a Ctrl-C (or SIGTERM, which the CLI turns into one) that has not ended the
-run within a grace period is repeated as a KeyboardInterrupt in the main thread, and when that has
-not ended it either, the process prints every thread's stack and exits 130.
+run within a grace period is repeated as a KeyboardInterrupt in the main thread (saying where the
+tasks still running wait), and when that has not ended it either, the process prints every thread's
+stack and exits 130.
 
 asyncio's own handler turns the first Ctrl-C into a cancellation of the running command, so that it
 stops cleanly (servers stopped, files closed). A cancellation can be lost (a task that swallows it)
@@ -10,6 +11,7 @@ or a clean-up can wait on a thread that waits on the loop; then nothing else wou
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import functools
 import os
@@ -17,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from types import FrameType
 from typing import Any, ParamSpec, TypeVar
@@ -41,8 +44,8 @@ def enforce(hint: Callable[[], str | None] | None = None) -> None:
 class _Bounded:
     """A SIGINT handler: the one it wraps, and a watch that bounds how long the stop takes."""
 
-    def __init__(self, inner: Any, grace_s: float) -> None:
-        self.inner, self.grace_s = inner, grace_s
+    def __init__(self, inner: Any, grace_s: float, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.inner, self.grace_s, self.loop = inner, grace_s, loop
         self.watching = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
@@ -56,6 +59,9 @@ class _Bounded:
         print(
             f"turnrl: still stopping {self.grace_s:g} s after the signal; interrupting again", file=sys.stderr
         )
+        if self.loop is not None:  # what holds the stop, to debug (the threads' stacks show only the loop)
+            for line in waiting_tasks(self.loop):
+                print(f"turnrl:   {line}", file=sys.stderr)
         main = threading.main_thread().ident
         if main is not None:  # a real signal wakes a main thread that waits in a system call
             signal.pthread_kill(main, signal.SIGINT)  # the wrapped handler's second: KeyboardInterrupt
@@ -72,6 +78,44 @@ class _Bounded:
         os._exit(130)
 
 
+def waiting_tasks(loop: asyncio.AbstractEventLoop, limit: int = 10) -> list[str]:
+    """The tasks of ``loop`` not done yet, counted by where each waits (its innermost coroutine's
+    line), most first; read from another thread while the loop waits, so best effort."""
+    for _ in range(3):
+        try:
+            tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            break
+        except RuntimeError:  # the set changed while read: read again
+            continue
+    else:
+        return []
+    places = Counter(_where(task) for task in tasks)
+    lines = [f"{n} task{'s' * (n > 1)} waiting at {place}" for place, n in places.most_common(limit)]
+    if len(places) > limit:
+        lines.append(f"and {len(places) - limit} more places")
+    return lines
+
+
+_ASYNCIO = os.path.dirname(asyncio.__file__)
+
+
+def _where(task: asyncio.Task[Any]) -> str:
+    """Where ``task`` waits: the file, line and function of its innermost coroutine outside asyncio."""
+    coro: Any = task.get_coro()
+    frame = None
+    while coro is not None:
+        inner = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        if inner is None:
+            break
+        if not inner.f_code.co_filename.startswith(_ASYNCIO):  # asyncio.sleep's own frame says little
+            frame = inner
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    if frame is None:
+        return repr(task.get_coro())
+    path = "/".join(frame.f_code.co_filename.split(os.sep)[-3:])
+    return f"{path}:{frame.f_lineno} in {frame.f_code.co_qualname}"
+
+
 def bounded_stops(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
     """Decorate a command's coroutine: while it runs (inside ``asyncio.run``), the SIGINT handler
     asyncio installed is wrapped so that a stop that does not finish is forced (see the module); it
@@ -84,7 +128,7 @@ def bounded_stops(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, A
         main = threading.current_thread() is threading.main_thread()
         if not _enforced or not main or not callable(current) or isinstance(current, _Bounded):
             return await fn(*args, **kwargs)
-        bounded = _Bounded(current, GRACE_S)
+        bounded = _Bounded(current, GRACE_S, asyncio.get_running_loop())
         signal.signal(signal.SIGINT, bounded)
         try:
             return await fn(*args, **kwargs)
