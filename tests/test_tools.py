@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -230,6 +232,53 @@ def test_calculator(expression: str, expected: str) -> None:
 def test_calculator_refuses_anything_but_arithmetic(expression: str) -> None:
     with pytest.raises(ValueError):
         calculator(expression)
+
+
+class _Cycle:
+    """Garbage with a finalizer: a collection during a parse runs Python code, where threads switch."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        sum(range(20))
+
+
+def test_the_calculator_and_pythonic_calls_parse_in_many_threads_at_once() -> None:
+    """Plain-function tools run in worker threads while the tool-call parsers run on the loop. On
+    Python 3.11 two ``ast.parse`` at once fail about one time in seven (``SystemError: AST
+    constructor recursion depth mismatch``, CPython gh-106905) when threads switch midway."""
+    from turnrl.tools.pythonic_parsers import pythonic_calls
+
+    deep = "(" * 20 + "1 + 2" + ")" * 20 + " * 3 + " + " + ".join(str(i) for i in range(40))
+    nested = "[" * 20 + ", ".join(str(i) for i in range(40)) + "]" * 20
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        for _ in range(600):
+            [_Cycle() for _ in range(3)]
+            try:
+                if k % 2:
+                    assert calculator(deep) == "789"
+                else:
+                    (call,) = pythonic_calls(f"[f(a={nested}, b='x')]", "")
+                    assert not isinstance(call, str), call
+            except SystemError as exc:
+                errors.append(str(exc))
+
+    switch, threshold = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-5)  # threads switch as often as on a busy machine, at every chance
+    gc.set_threshold(50)
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+        gc.set_threshold(*threshold)
+    assert errors == []
 
 
 def _write(path: Path, text: str) -> Path:

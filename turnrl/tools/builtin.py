@@ -8,6 +8,8 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+from turnrl.support import python_ast
+
 _BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -32,10 +34,10 @@ def calculator(expression: str) -> str:
     if len(expression) > _MAX_LENGTH:
         raise ValueError(f"expression longer than {_MAX_LENGTH} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = python_ast.parse_expression(expression.strip())
     except SyntaxError as e:
         raise ValueError(f"invalid expression: {e.msg}") from None
-    return _format_number(_evaluate(tree.body))
+    return _format_number(_evaluate(tree))
 
 
 def _evaluate(node: ast.expr) -> int | float:

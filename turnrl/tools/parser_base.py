@@ -9,12 +9,12 @@ of times costs milliseconds (tests/test_parser_fuzz.py).
 
 from __future__ import annotations
 
-import ast
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
+from turnrl.support import python_ast
 from turnrl.tools.base import ParseResult, ToolCall
 
 Found = ToolCall | str
@@ -80,7 +80,7 @@ def value(text: str) -> Any:
         return decoded
     if text[:1] in "{[(" and len(text) < 100_000:
         try:
-            return ast.literal_eval(text)
+            return python_ast.literal_eval(text)
         except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
             pass
     return text

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from turnrl.support import python_ast
 from turnrl.tools.parser_base import Found, ToolParser, blocks, loads, make_call, register_parser, snippet
 
 _MAX_CHARS = 200_000  # longer call lists are refused rather than handed to the Python parser
@@ -27,7 +28,7 @@ def pythonic_calls(text: str, raw: str) -> list[Found]:
     if len(text) > _MAX_CHARS:
         return [f"a pythonic tool-call list of {len(text)} characters is too long"]
     try:
-        tree = ast.parse(text.strip(), mode="eval").body
+        tree = python_ast.parse_expression(text.strip())
     except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
         return [f"invalid pythonic tool calls ({type(e).__name__}): {snippet(raw)}"]
     if not isinstance(tree, ast.List):
