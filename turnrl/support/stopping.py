@@ -44,7 +44,7 @@ def enforce(hint: Callable[[], str | None] | None = None) -> None:
 class _Bounded:
     """A SIGINT handler: the one it wraps, and a watch that bounds how long the stop takes."""
 
-    def __init__(self, inner: Any, grace_s: float, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, inner: Any, grace_s: float, loop: asyncio.AbstractEventLoop) -> None:
         self.inner, self.grace_s, self.loop = inner, grace_s, loop
         self.watching = False
 
@@ -59,9 +59,8 @@ class _Bounded:
         print(
             f"turnrl: still stopping {self.grace_s:g} s after the signal; interrupting again", file=sys.stderr
         )
-        if self.loop is not None:  # what holds the stop, to debug (the threads' stacks show only the loop)
-            for line in waiting_tasks(self.loop):
-                print(f"turnrl:   {line}", file=sys.stderr)
+        for line in _waiting_tasks(self.loop):  # what holds the stop (the threads' stacks show only the loop)
+            print(f"turnrl:   {line}", file=sys.stderr)
         main = threading.main_thread().ident
         if main is not None:  # a real signal wakes a main thread that waits in a system call
             signal.pthread_kill(main, signal.SIGINT)  # the wrapped handler's second: KeyboardInterrupt
@@ -78,16 +77,12 @@ class _Bounded:
         os._exit(130)
 
 
-def waiting_tasks(loop: asyncio.AbstractEventLoop, limit: int = 10) -> list[str]:
+def _waiting_tasks(loop: asyncio.AbstractEventLoop, limit: int = 10) -> list[str]:
     """The tasks of ``loop`` not done yet, counted by where each waits (its innermost coroutine's
     line), most first; read from another thread while the loop waits, so best effort."""
-    for _ in range(3):
-        try:
-            tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
-            break
-        except RuntimeError:  # the set changed while read: read again
-            continue
-    else:
+    try:
+        tasks = asyncio.all_tasks(loop)  # it reads again itself when the set changes meanwhile
+    except RuntimeError:
         return []
     places = Counter(_where(task) for task in tasks)
     lines = [f"{n} task{'s' * (n > 1)} waiting at {place}" for place, n in places.most_common(limit)]
