@@ -179,7 +179,8 @@ async def test_a_step_cut_off_by_the_env_timeout_ends_the_episode(
     """A step the rollout stops waiting for (``env_timeout_s``) may still be answered later; that
     answer must not pass for the next step's, so the episode ends there, with the reason."""
     run = spec(qwen3_tokenizer, {"url": guess_url}, ["[10]", "slowly [5]", "[7]"])
-    run = dataclasses.replace(run, limits=Limits(max_turns=4, env_timeout_s=0.5))
+    # The slow step sleeps 2 s in the server; the bound leaves healthy calls on a loaded machine room.
+    run = dataclasses.replace(run, limits=Limits(max_turns=4, env_timeout_s=1.5))
     (traj,) = await collect(samples(1), run)
     assert traj.stop_reason is StopReason.ENV_ERROR and traj.num_turns == 2, traj.error
     assert traj.error is not None and "was cut off (env_timeout_s) before its answer" in traj.error
