@@ -6,6 +6,10 @@
    against transformers ``generate``, bfloat16, on the GPU (``bench/engine_speed.py``: 64
    requests x 256 tokens, median of 2); then ``graphs exact``: greedy tokens with the graphs equal
    those of the same steps run eagerly.
+   ``sampler``: 32 rows over Qwen's 152k-token vocabulary at several temperatures, top-k and top-p,
+   drawn on the GPU and on the CPU from the same seeds, 50 times: the tokens must be the same (the
+   requests' generators live on the CPU, so a draw does not depend on the device) but for draws
+   within float32 rounding of a token boundary, and the logprobs within 1e-4.
 3. ``trainer``: a GRPO step on turnrl's path against TRL's ``GRPOTrainer.compute_loss``, under
    bfloat16 autocast, tokens/s and peak CUDA memory above the loaded model for both
    (``bench/trainer_speed.py``: 32 rows x (256 + <= 768) tokens, median of 2), and turnrl's side
@@ -14,11 +18,14 @@
 4. ``train``: ``turnrl train examples/train_key_lookup.yaml`` on that model for 3 steps with
    ``engine.device=cuda``: its exit code, the share of trajectories that ended in an error, the
    mean step time.
-5. ``train 2 GPUs``: the same, data-parallel under ``torchrun --nproc-per-node 2``, when there are 2.
+5. ``harness``: ``turnrl train examples/harness/train_lookup.yaml`` for 2 steps on that model with
+   ``engine.device=cuda``: an agent on the plain openai SDK, a forked process per run, served through
+   the gateway; its exit code, the share of runs per stop reason, the mean step time.
+6. ``train 2 GPUs``: the same as 4, data-parallel under ``torchrun --nproc-per-node 2``, when there are 2.
 
 Prints each part's output as it comes, then one table. Exits 1 when a part failed.
 
-    bash scripts/gpu_check.sh [--quick]     # --quick: smaller workloads, for a first look
+    bash scripts/gpu_check.sh [--quick] [--no-profile]   # --quick: smaller workloads, for a first look
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("engine", "sampler", "trainer", "train", "harness")
+Row = tuple[str, str, str]  # part, "ok" or "FAILED", what it measured
 
 
 def build_model(out: Path, layers: int = 28) -> Path:
@@ -113,8 +122,9 @@ def last_json(output: str) -> dict[str, Any]:
     return {}
 
 
-def train_rows(label: str, code: int, seconds: float, out: Path) -> list[tuple[str, str, str]]:
-    """The table row of a ``turnrl train`` run from its exit code and metrics."""
+def train_rows(label: str, code: int, seconds: float, out: Path) -> list[Row]:
+    """The table row of a ``turnrl train`` run from its exit code and metrics: failed when it exited
+    non-zero, trained no step, or any trajectory ended in an engine error."""
     metrics_file = out / "metrics.jsonl"
     steps = (
         [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
@@ -124,32 +134,50 @@ def train_rows(label: str, code: int, seconds: float, out: Path) -> list[tuple[s
     step_s = sum(s.get("time/step", s.get("time/rollout", 0.0) + s.get("time/train", 0.0)) for s in steps)
     mean = step_s / len(steps) if steps else float("nan")
     ok = code == 0 and steps and errors == 0.0
+    last = steps[-1] if steps else {}
+    stops = ", ".join(f"{k.removeprefix('stop/')} {v:.0%}" for k, v in last.items() if k.startswith("stop/"))
     detail = (
         f"exit {code}, {len(steps)} steps, engine errors {errors:.0%} of trajectories, {mean:.1f} s a step"
+        f"{f'; last step: {stops}' if stops else ''}"
     )
     return [(label, "ok" if ok else "FAILED", f"{detail} ({seconds:.0f} s in all)")]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads")
-    parser.add_argument("--layers", type=int, default=28, help="fewer layers than 0.6B's 28 (a dry run)")
-    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("gpu_check: torch sees no CUDA device (torch.cuda.is_available() is False)")
-    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-    card = torch.cuda.get_device_name(0) if gpus else "CPU"
-    py = sys.executable
-    rows: list[tuple[str, str, str]] = [("machine", "ok", f"{gpus} x {card}, torch {torch.__version__}")]
-    work = Path(tempfile.mkdtemp(prefix="turnrl-gpu-check-"))
-    t0 = time.perf_counter()
-    model = str(build_model(work / "qwen3-0.6b-shape", args.layers))
-    built = (
-        f"Qwen3-0.6B shape ({args.layers} layers), random weights, built in {time.perf_counter() - t0:.0f} s"
-    )
-    rows.append(("model", "ok", built))
+def sampler_row(device: str) -> Row:
+    """The ``sampler`` part: the same draws on ``device`` as on the CPU, from the same seeds."""
+    from turnrl.engines.hf.sampling import sample_tokens
+    from turnrl.types import SamplingParams
 
+    rows, vocab, trials = 32, 151_936, 50
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 4
+    logits[:, 1::3] = float("-inf")
+    kinds: list[dict[str, Any]] = [
+        {"temperature": 1.0},
+        {"temperature": 0.7},
+        {"temperature": 1.3},
+        {"temperature": 0.0},
+    ]
+    kinds += [{"temperature": 1.0, "top_k": 20}, {"temperature": 0.8, "top_p": 0.9}]
+    samplings = [SamplingParams(**kinds[b % len(kinds)]) for b in range(rows)]
+    on_device = logits.to(device)
+    same, gap = 0, 0.0
+    for trial in range(trials):
+        seeds = [1000 * trial + b for b in range(rows)]
+        cpu = sample_tokens(logits, samplings, [torch.Generator().manual_seed(s) for s in seeds])
+        dev = sample_tokens(on_device, samplings, [torch.Generator().manual_seed(s) for s in seeds])
+        for (t_cpu, lp_cpu), (t_dev, lp_dev) in zip(cpu, dev, strict=True):
+            same += t_cpu == t_dev
+            if t_cpu == t_dev:
+                gap = max(gap, abs(lp_cpu - lp_dev))
+    draws = rows * trials
+    ok = draws - same <= draws // 1000 and gap < 1e-4
+    detail = f"{same}/{draws} draws equal to the CPU's from the same seeds, logprob gap {gap:.2g}"
+    return ("sampler on the device vs the CPU", "ok" if ok else "FAILED", detail)
+
+
+def engine_rows(args: argparse.Namespace, model: str, work: Path, gpus: int) -> list[Row]:
+    """The embedded engine against ``generate``; on CUDA, graphs against eager steps."""
+    py, rows = sys.executable, []
     requests, tokens = ("16", "64") if args.quick else ("64", "256")
     engine = [py, "bench/engine_speed.py", "--model", model, "--device", args.device, "--dtype", "bfloat16"]
     code, out, secs = run(
@@ -179,7 +207,20 @@ def main() -> None:
         rows.append(
             ("CUDA graphs vs eager steps", "ok" if code == 0 else "FAILED", detail if res else last_line(out))
         )
+    return rows
 
+
+def sampler_rows(args: argparse.Namespace, model: str, work: Path, gpus: int) -> list[Row]:
+    """``sampler_row``, its failure one line in the table."""
+    try:
+        return [sampler_row(args.device)]
+    except Exception as exc:
+        return [("sampler on the device vs the CPU", "FAILED", f"{type(exc).__name__}: {exc}"[:200])]
+
+
+def trainer_rows(args: argparse.Namespace, model: str, work: Path, gpus: int) -> list[Row]:
+    """A GRPO step against TRL's, then with 16k-token micro-batches; the profiles to the log."""
+    py, rows = sys.executable, []
     shape = (
         ["--rows", "8", "--prompt", "128", "--completion", "256"]
         if args.quick
@@ -211,34 +252,96 @@ def main() -> None:
         rows.append(("trainer, 16k-token micro-batches", "ok", detail))
     else:
         rows.append(("trainer, 16k-token micro-batches", "FAILED", f"exit {code}: {last_line(out)}"))
-    for side in ("turnrl", "trl"):  # where the time goes, for the log
+    for side in () if args.no_profile else ("turnrl", "trl"):  # where the time goes, for the log
         run(f"profile {side}", [*trainer, "--steps", "1", "--side", side, "--profile"], 150)
+    return rows
 
-    sets = [
-        "--set", f"model={model}", "--set", f"engine.device={args.device}", "--set", "train.steps=3",
-        "--set", "train.save_every=3", "--set", "eval.every=3", "--set", "warm_start.epochs=1",
-    ]  # fmt: skip
-    out_dir = work / "train"
-    command = [
-        py,
+
+def train_command(config: str, model: str, device: str, steps: int, out: Path) -> list[str]:
+    """``turnrl train CONFIG`` on ``model`` for ``steps`` steps, evaluated and saved at the last."""
+    sets = {
+        "model": model,
+        "engine.device": device,
+        "train.steps": steps,
+        "train.save_every": steps,
+        "eval.every": steps,
+        "warm_start.epochs": 1,
+        "output_dir": out,
+    }
+    return [
+        sys.executable,
         "-m",
         "turnrl.cli",
         "train",
-        "examples/train_key_lookup.yaml",
-        *sets,
-        "--set",
-        f"output_dir={out_dir}",
+        config,
+        *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")),
     ]
-    code, _, secs = run("train", command, 300)
-    rows += train_rows("turnrl train, 3 steps on CUDA", code, secs, out_dir)
-    if gpus >= 2:
-        out_dir = work / "train-dp"
-        torchrun = [py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "turnrl.cli", "train"]
-        sets[5] = "train.steps=1"
-        command = [*torchrun, "examples/train_key_lookup.yaml", *sets, "--set", f"output_dir={out_dir}"]
-        code, _, secs = run("train, 2 GPUs", command, 300)
-        rows += train_rows("turnrl train, 2 ranks data-parallel", code, secs, out_dir)
 
+
+def train_part_rows(args: argparse.Namespace, model: str, work: Path, gpus: int) -> list[Row]:
+    """``turnrl train`` of the key-lookup example for 3 steps; data-parallel on 2 GPUs when there are 2."""
+    out = work / "train"
+    code, _, secs = run(
+        "train", train_command("examples/train_key_lookup.yaml", model, args.device, 3, out), 300
+    )
+    rows = train_rows("turnrl train, 3 steps on CUDA", code, secs, out)
+    if gpus >= 2:
+        out = work / "train-dp"
+        command = train_command("examples/train_key_lookup.yaml", model, args.device, 1, out)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *command[1:]]
+        code, _, secs = run("train, 2 GPUs", torchrun, 300)
+        rows += train_rows("turnrl train, 2 ranks data-parallel", code, secs, out)
+    return rows
+
+
+def harness_rows(args: argparse.Namespace, model: str, work: Path, gpus: int) -> list[Row]:
+    """``turnrl train`` of the harness example (an openai-SDK agent through the gateway) for 2 steps."""
+    out = work / "harness"
+    command = train_command("examples/harness/train_lookup.yaml", model, args.device, 2, out)
+    code, _, secs = run("harness", command, 300)
+    return train_rows("harness through the gateway, 2 steps on CUDA", code, secs, out)
+
+
+PART_ROWS = {
+    "engine": engine_rows,
+    "sampler": sampler_rows,
+    "trainer": trainer_rows,
+    "train": train_part_rows,
+    "harness": harness_rows,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--layers", type=int, default=28, help="fewer layers than 0.6B's 28 (a dry run)")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    parser.add_argument("--no-profile", action="store_true", help="skip the trainer profiles (log only)")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default: all)"
+    )
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        parser.error(
+            f"--parts: no part named {', '.join(sorted(parts - set(PARTS)))} (parts: {', '.join(PARTS)})"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_check: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    card = torch.cuda.get_device_name(0) if gpus else "CPU"
+    rows: list[Row] = [("machine", "ok", f"{gpus} x {card}, torch {torch.__version__}")]
+    work = Path(tempfile.mkdtemp(prefix="turnrl-gpu-check-"))
+    t0 = time.perf_counter()
+    model = str(build_model(work / "qwen3-0.6b-shape", args.layers))
+    built = (
+        f"Qwen3-0.6B shape ({args.layers} layers), random weights, built in {time.perf_counter() - t0:.0f} s"
+    )
+    rows.append(("model", "ok", built))
+
+    for part in PARTS:
+        if part in parts:
+            rows += PART_ROWS[part](args, model, work, gpus)
     print(f"\nturnrl GPU check, {time.strftime('%Y-%m-%d')}, {gpus} x {card}")
     width = max(len(r[0]) for r in rows)
     for name, status, detail in rows:
