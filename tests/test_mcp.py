@@ -123,11 +123,12 @@ async def test_a_server_that_dies_mid_call_is_a_tool_error_and_comes_back(qwen3_
 
 
 async def test_a_slow_call_times_out_and_the_server_goes_on(stdio_tools: list[BaseTool]) -> None:
-    env = ToolEnv(Sample("s", [{"role": "user", "content": "go"}]), stdio_tools, tool_timeout_s=0.5)
+    # 2 s: far below the slow call's 5 s, far above a healthy call's round trip on a loaded machine
+    env = ToolEnv(Sample("s", [{"role": "user", "content": "go"}]), stdio_tools, tool_timeout_s=2.0)
     await env.reset()
     result = await env.step(call("slow", seconds=5) + call("add", a=1, b=2))
     slow, add = result.observation
-    assert slow["content"] == "Error: tool 'slow' timed out after 0.5 s" and add["content"] == "3"
+    assert slow["content"] == "Error: tool 'slow' timed out after 2 s" and add["content"] == "3"
     assert (await env.step(call("add", a=2, b=2))).observation[0]["content"] == "4"
     await env.close()
 

@@ -10,16 +10,17 @@ import sys
 import time
 from pathlib import Path
 
-from openai import OpenAI
-
 mode = sys.argv[1]
-if mode == "sleep":
+if mode == "sleep":  # before the SDK's import (seconds on a loaded machine), well inside the test's timeout
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     Path(os.environ["PID_FILE"]).write_text(str(child.pid))
     time.sleep(600)
 if mode == "silent":
     print("nothing to ask")
     sys.exit(0)
+
+from openai import OpenAI  # noqa: E402
+
 client = OpenAI(max_retries=0)
 if mode == "crash":
     client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
