@@ -525,21 +525,66 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def first_error(exc: ValidationError) -> str:
-    """One line naming the first invalid key (and how many more there are)."""
-    err = exc.errors()[0]
-    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in ENGINE_KINDS)]
-    where = ".".join(loc) or "config"
-    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+def first_error(exc: ValidationError, data: Any = None) -> str:
+    """One line naming the first invalid key as the user wrote it (``data``: the input validated)
+    and how many other keys are invalid."""
+    errors = exc.errors()
+    wheres = [_where(e["loc"], data) for e in errors]
+    err, where = errors[0], wheres[0]
+    others = len({w for w in wheres if not _related(w, where)})
+    more = f" (+{others} more)" if others else ""
+    shown = where or "config"
     if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-        return f"unknown config key {where!r}{more}"
+        return f"unknown config key {shown!r}{more}"
     if err["type"] == "missing":
-        return f"missing config key {where!r}{more}"
+        return f"missing config key {shown!r}{more}"
     if err["type"] == "union_tag_invalid":
-        return f"config key {where + '.kind'!r}: must be one of {', '.join(ENGINE_KINDS)}{more}"
-    if not loc:  # a check across keys: its message names them
+        kinds = str((err.get("ctx") or {}).get("expected_tags", ", ".join(ENGINE_KINDS))).replace("'", "")
+        return f"config key {shown + '.kind'!r}: must be one of {kinds}{more}"
+    if not where:  # a check across keys: its message names them
         return f"{err['msg'].removeprefix('Value error, ')}{more}"
-    return f"config key {where!r}: {err['msg']}{more}"
+    said = _union_message([e for e, w in zip(errors, wheres, strict=True) if w == where])
+    return f"config key {shown!r}: {said}{more}"
+
+
+def _where(loc: tuple[int | str, ...], data: Any) -> str:
+    """``loc`` as the key path the user wrote (``a.b[0].c``). With the input at hand, a part of
+    ``loc`` is kept when it indexes the input there (or names the key a mapping lacks, at the end):
+    what is left out is pydantic's, a union's tag (``harness``) or member (``list[str]``). Without
+    it, only engine kinds are left out."""
+    parts: list[str] = []
+    node = data
+    for i, part in enumerate(loc):
+        if data is None:
+            keep = not (isinstance(part, str) and part in ENGINE_KINDS)
+        elif isinstance(node, dict | list) and _indexes(node, part):
+            node, keep = node[part], True  # type: ignore[index]
+        else:
+            keep = i == len(loc) - 1 and isinstance(node, dict) and isinstance(part, str)
+        if keep:
+            parts.append(f"[{part}]" if isinstance(part, int) else f".{part}")
+    return "".join(parts).removeprefix(".")
+
+
+def _indexes(node: dict[Any, Any] | list[Any], part: int | str) -> bool:
+    """Whether ``node[part]`` is there."""
+    if isinstance(node, dict):
+        return part in node
+    return isinstance(part, int) and 0 <= part < len(node)
+
+
+def _related(a: str, b: str) -> bool:
+    """Whether two key paths are one key, or one holds the other (a union's members' errors)."""
+    return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
+
+
+def _union_message(errors: list[Any]) -> str:
+    """The message of one key's errors: the members of a union each say what they wanted."""
+    messages = list(dict.fromkeys(str(e["msg"]) for e in errors))
+    wanted = "Input should be "
+    if len(messages) > 1 and all(m.startswith(wanted) for m in messages):
+        return wanted + ", or ".join(m.removeprefix(wanted) for m in messages)
+    return messages[0]
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -565,7 +610,7 @@ def validate(model: type[M], data: dict[str, Any], context: dict[str, Any] | Non
     try:
         return model.model_validate(data, context=context)
     except ValidationError as exc:
-        raise ConfigError(first_error(exc)) from None
+        raise ConfigError(first_error(exc, data)) from None
 
 
 def load_model_config(

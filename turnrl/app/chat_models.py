@@ -130,10 +130,11 @@ def chat_model(config: Mapping[str, Any]) -> ChatModel:
 
 
 def _sampling(raw: Mapping[str, Any]) -> SamplingParams:
+    data = {"max_tokens": 256, **raw}
     try:
-        return TypeAdapter(SamplingParams).validate_python({"max_tokens": 256, **raw})
+        return TypeAdapter(SamplingParams).validate_python(data)
     except ValidationError as exc:
-        raise ConfigError(first_error(exc).replace("config", "chat model sampling", 1)) from None
+        raise ConfigError(first_error(exc, data).replace("config", "chat model sampling", 1)) from None
 
 
 class Placeholders(dict[str, Any]):
@@ -146,10 +147,12 @@ class Placeholders(dict[str, Any]):
 @functools.lru_cache(maxsize=8)
 def _engine(model: str, engine: str) -> tuple[Engine, Any]:
     """The engine of a chat model, built once per (model, engine config as JSON) and process."""
+    data = json.loads(engine)
     try:
-        e = TypeAdapter(EngineConfig).validate_python(json.loads(engine))
+        e = TypeAdapter(EngineConfig).validate_python(data)
     except ValidationError as exc:
-        raise ConfigError(first_error(exc).replace("config key '", "chat model engine key '", 1)) from None
+        said = first_error(exc, data).replace("config key '", "chat model engine key '", 1)
+        raise ConfigError(said) from None
     if e.kind == "scripted":
         raise ConfigError("a chat model's engine needs a model: kind scripted has none")
     return local_engine(model, e)

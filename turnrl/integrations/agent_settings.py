@@ -133,7 +133,7 @@ def load_settings(
     try:
         settings = AgentSettings.model_validate(data)
     except ValidationError as exc:
-        raise SettingsError(f"turnrl settings: {first_error(exc)}") from None
+        raise SettingsError(f"turnrl settings: {first_error(exc, data)}") from None
     settings.reward_routing()  # import the reward functions now: a bad one fails here, named
     with _LOCK:
         return _SETTINGS.setdefault(key, settings)
@@ -147,7 +147,7 @@ def env_factory(settings: AgentSettings, row_env: Any = None) -> EnvFactory:
                 EnvConfig(name=row_env) if isinstance(row_env, str) else EnvConfig.model_validate(row_env)
             )
         except ValidationError as exc:
-            raise SettingsError(f"data row field {ENV_FIELD!r}: {first_error(exc)}") from None
+            raise SettingsError(f"data row field {ENV_FIELD!r}: {first_error(exc, row_env)}") from None
     elif settings.env is not None:
         config = settings.env
     else:
