@@ -583,6 +583,35 @@ def test_turnrl_train_runs_an_unchanged_agent_and_trains_on_its_sessions(tmp_pat
     assert first["warm_start/demos"] == 4 and first["warm_start/demo_turns"] == 2
 
 
+def test_turnrl_train_warm_starts_mini_swe_agent_unchanged_then_trains_on_its_branches(
+    tmp_path: Path,
+) -> None:
+    """The coding-harness example as a user runs it (the held-out set cut to one greedy run per
+    evaluation): the solved episode is replayed through ``mini`` and learned, and the GRPO step
+    trains on every branch of every run whose group's rewards differ."""
+    out = tmp_path / "run"
+    sets = [f"output_dir={out}", "eval.group_size=1", "eval.data.kwargs.size=1"]
+    done = turnrl("train", "examples/harness/train_mini_swe.yaml", *(a for v in sets for a in ("--set", v)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    from turnrl.rollout.collector import read_trajectories
+
+    first, step = (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()[:2])
+    assert first["warm_start/demos"] == 4 and first["warm_start/demo_turns"] == 2
+    assert first["warm_start/loss_last"] < first["warm_start/loss_first"] / 100
+    assert first["eval/reward/mean"] == 1.0  # greedy, the warm-started model fixes the repository
+    trajs = read_trajectories(out / "rollouts" / "step_000001.jsonl")
+    assert len({(t.group_id, t.sample_index) for t in trajs}) == 2 * 4  # every run, exactly once
+    assert all(t.stop_reason == StopReason.AGENT_DONE and t.reward in (0.0, 1.0) for t in trajs)
+    assert turnrl("validate", str(out)).returncode == 0
+    varied = [
+        g
+        for g in {t.group_id for t in trajs}
+        if len({t.info["run_reward"] for t in trajs if t.group_id == g}) > 1
+    ]
+    trained = sum(1 for t in trajs if t.group_id in varied)
+    assert step["train/samples"] == trained, (step, varied)  # every branch of a varied group
+
+
 def test_a_run_where_every_agent_failed_exits_non_zero(tmp_path: Path) -> None:
     out = tmp_path / "run"
     agent = str(AGENTS / "stubborn_agent.py")
