@@ -559,6 +559,8 @@ def _where(loc: tuple[int | str, ...], data: Any) -> str:
             keep = not (isinstance(part, str) and part in ENGINE_KINDS)
         elif isinstance(node, dict | list) and _indexes(node, part):
             node, keep = node[part], True  # type: ignore[index]
+        elif isinstance(node, BaseModel) and isinstance(part, str) and part in type(node).model_fields:
+            node, keep = getattr(node, part), True  # a section given as a model, not a mapping
         else:
             keep = i == len(loc) - 1 and isinstance(node, dict) and isinstance(part, str)
         if keep:
