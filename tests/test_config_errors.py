@@ -24,7 +24,7 @@ ROLLOUT = REPO / "examples" / "guess_number.yaml"
         (["env.env={A: 1}"], "config key 'env.env.A': Input should be a valid string"),
         (["env.kind=bogus"], "config key 'env.kind': must be one of env, harness"),
         (["env.commandz=1"], "unknown config key 'env.commandz'"),
-        (["engine.kind=bogus"], "config key 'engine.kind': must be one of hf, openai, sglang, vllm, scripted"),
+        (["engine.kind=bogus"], "config key 'engine.kind': must be one of hf, openai, sglang, vllm, scr"),
         (["optim.lr=x", "train.steps=y"], "config key 'optim.lr': Input should be a valid number"),
     ],
 )

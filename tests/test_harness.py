@@ -83,6 +83,39 @@ async def test_runs_that_start_at_once_share_one_gateway_and_close_leaves_no_lis
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
 
 
+async def test_a_harness_run_made_again_samples_the_same_tokens(
+    tiny_qwen3_model: Any, qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    """A run's calls take seeds from the run's seed, its sample and its group member (as an env
+    trajectory's turns do), not from its session's unique name: the same run made again samples the
+    same tokens on a real engine, and another member of its group other tokens."""
+    from turnrl.engines.hf import HFEngine
+
+    add_search_path(LOOKUP)
+    config = HarnessConfig.model_validate(
+        {
+            "kind": "harness",
+            "command": ["python", str(LOOKUP / "lookup_agent.py"), "{prompt}"],
+            "reward": "lookup_task:reward",
+            "setup": "lookup_task:setup",
+        }
+    )
+    async with HFEngine(tiny_qwen3_model, seed=0) as engine:
+        runner = HarnessRunner(
+            config, engine, ChatEncoder(qwen3_tokenizer), get_parser("hermes"), "m", tmp_path
+        )
+        spec: Any = SimpleNamespace(
+            sampling=SamplingParams(temperature=1.0, max_tokens=24, seed=7), engine=engine
+        )
+        try:
+            first, again, other = [await runner(SAMPLE, index, spec) for index in (0, 0, 1)]
+        finally:
+            await runner.close()
+    assert all(t.stop_reason == StopReason.AGENT_DONE for t in first + again + other)
+    assert [t.response_ids for t in first] == [t.response_ids for t in again]
+    assert [t.response_ids for t in first] != [t.response_ids for t in other]
+
+
 class Stuck:
     """An engine whose calls never end (a model mid-generation when the run is stopped)."""
 

@@ -118,15 +118,16 @@ class Gateway:
         """``n`` generations of ``prompt`` (seeds apart), concurrently on the engine."""
         where = f"{name}/{plan.branch.index}"
 
+        session = self.sessions[name]
+
         def seeded(k: int) -> SamplingParams:
             if k == 0 or sampling.seed is None:
                 return sampling
-            seed = request_seed(
-                self.config.seed, Sample(f"{name}#{k}", []), plan.branch.index, plan.branch.calls
-            )
+            key = Sample(f"{session.seed_key}#{k}", [])
+            seed = request_seed(self._base_seed(session), key, plan.branch.index, plan.branch.calls)
             return sampling.for_request(sampling.max_tokens, seed)
 
-        engine = self.sessions[name].engine or self.engine
+        engine = session.engine or self.engine
         await self._open.wait()
         self._generating += 1
         try:
@@ -205,8 +206,14 @@ class Gateway:
                 )
             stops.append(ids[0])
         max_tokens = min(forced.max_tokens, request.max_tokens or forced.max_tokens, left)
-        seed = request_seed(self.config.seed, Sample(session.name, []), plan.branch.index, plan.branch.calls)
+        key = Sample(session.seed_key, [])
+        seed = request_seed(self._base_seed(session), key, plan.branch.index, plan.branch.calls)
         return forced.for_request(max_tokens, seed, tuple(stops))
+
+    def _base_seed(self, session: Session) -> int | None:
+        """The seed a session's calls derive theirs from: its own sampling's (a harness run: the
+        run's seed; None: unseeded), else the gateway's."""
+        return session.sampling.seed if session.sampling is not None else self.config.seed
 
     def count_tokens(self, request: ChatRequest) -> int:
         """The tokens ``request``'s messages take as a fresh prompt (Anthropic's count_tokens)."""

@@ -192,6 +192,9 @@ class Session:
         self.branches: list[Branch] = []
         self.sampling: SamplingParams | None = None  # the session's own sampling (None: the gateway's)
         self.engine: Engine | None = None  # the session's own engine (None: the gateway's)
+        # what its calls' seeds derive from, with the branch and the call: its name, or for a harness
+        # run its sample and group member, so that the run, made again, samples the same
+        self.seed_key = name
         self.over_budget = False  # a call was refused past the call budget
 
     @property

@@ -98,6 +98,7 @@ class HarnessRunner:
         folder = run_dir / "work"
         session = self.gateway.session(name)
         session.sampling, session.engine = spec.sampling, spec.engine  # a warm start's replay: scripted
+        session.seed_key = f"{sample.id}/{index}"  # seeds as an env's trajectory has: the run repeats
         try:
             self._prepare(sample, run_dir, folder)
             exit = await run_agent(
