@@ -525,7 +525,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def first_error(exc: ValidationError, data: Any = None) -> str:
+def first_error(exc: ValidationError, data: Any) -> str:
     """One line naming the first invalid key as the user wrote it (``data``: the input validated)
     and how many other keys are invalid."""
     errors = exc.errors()
@@ -550,14 +550,11 @@ def first_error(exc: ValidationError, data: Any = None) -> str:
 def _where(loc: tuple[int | str, ...], data: Any) -> str:
     """``loc`` as the key path the user wrote (``a.b[0].c``). With the input at hand, a part of
     ``loc`` is kept when it indexes the input there (or names the key a mapping lacks, at the end):
-    what is left out is pydantic's, a union's tag (``harness``) or member (``list[str]``). Without
-    it, only engine kinds are left out."""
+    what is left out is pydantic's, a union's tag (``harness``) or member (``list[str]``)."""
     parts: list[str] = []
     node = data
     for i, part in enumerate(loc):
-        if data is None:
-            keep = not (isinstance(part, str) and part in ENGINE_KINDS)
-        elif isinstance(node, dict | list) and _indexes(node, part):
+        if isinstance(node, dict | list) and _indexes(node, part):
             node, keep = node[part], True  # type: ignore[index]
         elif isinstance(node, BaseModel) and isinstance(part, str) and part in type(node).model_fields:
             node, keep = getattr(node, part), True  # a section given as a model, not a mapping

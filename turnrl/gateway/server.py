@@ -117,15 +117,12 @@ class Gateway:
     ) -> list[Generation]:
         """``n`` generations of ``prompt`` (seeds apart), concurrently on the engine."""
         where = f"{name}/{plan.branch.index}"
-
         session = self.sessions[name]
 
         def seeded(k: int) -> SamplingParams:
             if k == 0 or sampling.seed is None:
                 return sampling
-            key = Sample(f"{session.seed_key}#{k}", [])
-            seed = request_seed(self._base_seed(session), key, plan.branch.index, plan.branch.calls)
-            return sampling.for_request(sampling.max_tokens, seed)
+            return sampling.for_request(sampling.max_tokens, self._seed(session, plan, k))
 
         engine = session.engine or self.engine
         await self._open.wait()
@@ -206,14 +203,15 @@ class Gateway:
                 )
             stops.append(ids[0])
         max_tokens = min(forced.max_tokens, request.max_tokens or forced.max_tokens, left)
-        key = Sample(session.seed_key, [])
-        seed = request_seed(self._base_seed(session), key, plan.branch.index, plan.branch.calls)
-        return forced.for_request(max_tokens, seed, tuple(stops))
+        return forced.for_request(max_tokens, self._seed(session, plan), tuple(stops))
 
-    def _base_seed(self, session: Session) -> int | None:
-        """The seed a session's calls derive theirs from: its own sampling's (a harness run: the
-        run's seed; None: unseeded), else the gateway's."""
-        return session.sampling.seed if session.sampling is not None else self.config.seed
+    def _seed(self, session: Session, plan: Plan, reply: int = 0) -> int | None:
+        """The seed of a call's ``reply``-th generation: from the session's own sampling's seed (a
+        harness run: the run's; None: unseeded), else the gateway's, with the session's seed key,
+        the branch and the call."""
+        base = session.sampling.seed if session.sampling is not None else self.config.seed
+        key = session.seed_key if reply == 0 else f"{session.seed_key}#{reply}"
+        return request_seed(base, Sample(key, []), plan.branch.index, plan.branch.calls)
 
     def count_tokens(self, request: ChatRequest) -> int:
         """The tokens ``request``'s messages take as a fresh prompt (Anthropic's count_tokens)."""
