@@ -25,7 +25,7 @@ from turnrl.config import HarnessConfig
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.harness import HarnessRunner
 from turnrl.harness.process import check_command
-from turnrl.support.imports import add_search_path
+from turnrl.support.imports import add_search_path, search_path
 from turnrl.tools.parsers import get_parser
 from turnrl.train.advantages import AdvantageOptions, compute_advantages
 from turnrl.train.exclusions import exclude_failures
@@ -47,6 +47,8 @@ def runner_for(
     tokenizer: Any, tmp_path: Path, replies: list[str], **harness: Any
 ) -> tuple[HarnessRunner, Recorder]:
     add_search_path(LOOKUP)
+    if harness.get("preload"):  # forked runs are unsandboxed (the fork server is one process)
+        harness.setdefault("sandbox", "none")
     config = HarnessConfig.model_validate(
         {"kind": "harness", "reward": "lookup_task:reward", "setup": "lookup_task:setup", **harness}
     )
@@ -238,11 +240,20 @@ def test_a_misbehaving_agent_ends_with_a_stop_reason_of_its_own(
 def test_a_timeout_kills_the_agent_and_everything_it_started(
     qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]
 ) -> None:
-    pid_file = tmp_path / "child.pid"
+    pid_file = (
+        tmp_path / "child.pid"
+    )  # outside the run's folder: unsandboxed runs (tests/test_isolation.py: sandboxed)
     command = ["python", str(AGENTS / "stubborn_agent.py"), "sleep"]
     env = {"PID_FILE": str(pid_file)}
     runner, _ = runner_for(
-        qwen3_tokenizer, tmp_path / "runs", [], command=command, timeout_s=3, env=env, preload=preload
+        qwen3_tokenizer,
+        tmp_path / "runs",
+        [],
+        command=command,
+        timeout_s=3,
+        env=env,
+        preload=preload,
+        sandbox="none",
     )
     t0 = time.monotonic()
     [traj] = run_once(runner)
@@ -468,7 +479,8 @@ def test_a_preload_that_cannot_import_is_one_line(qwen3_tokenizer: Any, tmp_path
 
     assert check_preload(["openai", "json"]) is None
     assert check_preload(["no_such_module_xyz"]) == (
-        f"env.preload: no module named 'no_such_module_xyz' in {sys.executable}'s environment"
+        "env.preload: no module named 'no_such_module_xyz' (searched "
+        f"{', '.join(search_path()) or Path.cwd()} and {sys.executable}'s environment)"
     )
     add_search_path(AGENTS)
     command = ["python", str(LOOKUP / "lookup_agent.py"), "{prompt}"]

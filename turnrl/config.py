@@ -297,6 +297,27 @@ class EnvConfig(Strict):
     """Env workers on Ray; off: in-process."""
 
 
+class SandboxConfig(Strict):
+    """The sandbox every process of a harness run runs in (bubblewrap): the system read-only, the
+    run's folder the only place it may write, a private /tmp and home, its own PID namespace (it
+    sees no other process, and all of it dies with the run), and on the network its gateway only."""
+
+    memory_mb: int = Field(4096, ge=64)
+    """Private writable memory of each process (RLIMIT_DATA): past it, allocations fail."""
+    max_processes: int = Field(256, ge=8)
+    """Processes and threads of the run at once (a pids cgroup where turnrl may make one, else
+    RLIMIT_NPROC): a fork bomb stops here."""
+    file_size_mb: int = Field(1024, ge=1)
+    """The largest file a process may write (RLIMIT_FSIZE)."""
+    network: Literal["gateway", "host"] = "gateway"
+    """gateway: a network of its own where 127.0.0.1 at the gateway's port reaches the run's
+    gateway session and nothing else exists; host: the machine's network (anything the user can
+    reach, other services on loopback included)."""
+    read_only: list[str] = Field(default_factory=list)
+    """More host paths shown read-only at the same place (an agent's install outside the Python
+    environment and the system folders, a data set)."""
+
+
 class HarnessConfig(Strict):
     """An agent that already exists, run once per sample and group member as a process of its own,
     its model calls served and recorded by the gateway (``env: {kind: harness, ...}``)."""
@@ -332,6 +353,10 @@ class HarnessConfig(Strict):
     tool_parser: str | None = None
     """The tool-call format replies are parsed with (hermes, llama3_json...; None: the one the
     model's chat template names, if any): for a model taught a format its template does not render."""
+    sandbox: SandboxConfig | Literal["none"] = Field(default_factory=SandboxConfig)
+    """Where the agent, everything it starts and the reward's commands run: a bubblewrap sandbox
+    (the default; ``apt-get install bubblewrap``), or "none": as plain processes of the user, which
+    can write anywhere the user can and reach other runs (a warning says so)."""
     reinforce: Literal["all", "last"] = "all"
     """Which branches of a session are trained: every one, or only the last one started."""
     skip_system: list[str] = Field(default_factory=list)
@@ -348,7 +373,17 @@ class HarnessConfig(Strict):
     ``env.env``, not a run's own (its session URL), so a preloaded module must not read those when it
     is imported. A "module:function" entry is called once after the imports, a warm-up
     (``turnrl.harness.warm:openai`` makes and drops an openai client, whose HTTP stack imports on
-    first use). Other commands start as new processes. Empty: every run is a new process."""
+    first use). Other commands start as new processes. Empty: every run is a new process.
+    Forked runs share the server's process, outside any sandbox: preload needs ``sandbox: none``."""
+
+    @model_validator(mode="after")
+    def _preload_unsandboxed(self) -> HarnessConfig:
+        if self.preload and self.sandbox != "none":
+            raise ValueError(
+                "env.preload forks each run from one process outside any sandbox: set env.sandbox: none"
+                " to fork unsandboxed runs, or drop env.preload"
+            )
+        return self
 
 
 def _env_kind(value: Any) -> str:

@@ -24,7 +24,7 @@ from turnrl.gateway.routes import make_app
 from turnrl.gateway.server import Gateway
 from turnrl.gateway.store import CallLog
 from turnrl.models import load_vision_processor
-from turnrl.support.run_folder import release
+from turnrl.support.run_folder import drop_aside, put_back, release
 from turnrl.tools.parsers import get_parser, parser_for_template
 
 
@@ -72,6 +72,11 @@ async def serve(
                     f"serving {gateway.model} at {url}/v1 (a session per API key, or {url}/s/NAME/v1)"
                 )
                 console.print(f"writing {out / 'calls.jsonl'}")
+                if gateway.keys is None:
+                    console.print(
+                        f"[yellow]serving without API keys: anyone who reaches {url} can call any session"
+                        " (set api_keys or api_keys_file)[/yellow]"
+                    )
                 if ready is not None:
                     ready(url)
             await task
@@ -81,5 +86,15 @@ async def serve(
             if gateway.log is not None:
                 gateway.log.close()
             await gateway.engine.close()
+            _settle_replaced(out, gateway.counts["calls"] > 0, console)
     finally:
         release(out)
+
+
+def _settle_replaced(out: Path, served: bool, console: Console) -> None:
+    """The calls an --overwrite set aside: gone once this gateway recorded a call of its own, else
+    put back (a gateway that answered nothing replaced nothing)."""
+    if served:
+        drop_aside(out)
+    elif put_back(out, GATEWAY.outputs):
+        console.print(f"{out}: this gateway recorded no call, so the calls it replaced are put back")

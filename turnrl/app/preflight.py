@@ -99,8 +99,10 @@ def check_inputs(env: AnyEnvConfig, samples: Sequence[Sample], factory: EnvFacto
         raise RunError("no data: the data has no rows")
     check_prompts(samples)
     from turnrl.harness.process import check_command, check_preload
+    from turnrl.harness.sandbox import bwrap_missing
 
-    problem = check_command(env.command) or check_preload(env.preload)
+    sandbox = bwrap_missing() if env.sandbox != "none" else None
+    problem = sandbox or check_command(env.command) or check_preload(env.preload)
     if problem:
         raise RunError(problem)
     for hook, what in ((env.reward, "env.reward"), (env.setup, "env.setup")):

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from turnrl.gateway.call import ApiError, ChatRequest, Completed
-from turnrl.gateway.openai_chat import checked_body, positive
+from turnrl.gateway.openai_chat import checked_body, positive, stop_list
 
 KNOWN = {
     "model", "messages", "system", "max_tokens", "tools", "tool_choice", "stop_sequences", "stream",
@@ -45,7 +45,7 @@ def read_request(body: Any) -> ChatRequest:
     out = [{"role": "system", "content": _system(body.get("system"))}] if body.get("system") else []
     for i, message in enumerate(messages):
         out += chat_messages(message, f"messages.{i}")
-    stop = body.get("stop_sequences") or []
+    stop = stop_list(body.get("stop_sequences"), "stop_sequences")
     listed = body.get("tools") or []
     if not isinstance(listed, list):
         raise ApiError(400, "tools: must be a list", param="tools")

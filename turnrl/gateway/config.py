@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from turnrl.config import ChatConfig, EngineConfig, HFEngineConfig, Strict
 from turnrl.types import SamplingParams
@@ -37,5 +38,29 @@ class GatewayConfig(Strict):
     """The port (0: any free one, said at start)."""
     any_model: bool = False
     """Answer a call whatever model it names (an agent with its own model name, unchanged)."""
+    api_keys: list[str] = Field(default_factory=list)
+    """Keys a call must carry (``Authorization: Bearer KEY`` or ``x-api-key``); a session belongs to
+    the key that made it. Empty: any call is served (said at start). ``api_keys_file``: more, one a line."""
+    api_keys_file: str | None = None
+    """A file of keys, one a line (blank lines and ``#`` comments skipped), added to ``api_keys``."""
     served_name: str | None = None
     """The model name clients use (default: ``model``); ``/v1/models`` lists it."""
+
+    @model_validator(mode="after")
+    def _check_keys_file(self) -> GatewayConfig:
+        self.all_keys()
+        return self
+
+    def all_keys(self) -> list[str]:
+        """``api_keys`` and those of ``api_keys_file`` (read now: a changed file counts at start)."""
+        keys = list(self.api_keys)
+        if self.api_keys_file:
+            try:
+                lines = Path(self.api_keys_file).read_text(encoding="utf-8").splitlines()
+            except OSError as exc:
+                raise ValueError(f"api_keys_file {self.api_keys_file!r}: {exc.strerror or exc}") from None
+            found = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+            if not found:
+                raise ValueError(f"api_keys_file {self.api_keys_file!r} holds no key")
+            keys += found
+        return keys

@@ -25,6 +25,17 @@ def error_body(error: ApiError) -> dict[str, Any]:
     return {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": error.code}}
 
 
+def stop_list(value: Any, param: str) -> list[str]:
+    """Stop strings as a list: a string, a list of strings, or nothing; ``ApiError`` (400) else."""
+    if value is None or value == []:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise ApiError(400, f"{param} must be a string or a list of strings", param=param)
+
+
 def checked_body(body: Any, known: set[str], listed: str) -> Mapping[str, Any]:
     """``body`` as a JSON object of fields the gateway knows, whose ``listed`` field is a non-empty
     list (or text, for the Responses API's ``input``); ``ApiError`` (400) names the first problem."""
@@ -61,8 +72,7 @@ def read_request(body: Any) -> ChatRequest:
             400, "'tools' must be a list of {type: function, function: {name, ...}}", param="tools"
         )
     limit = positive(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else list(stop)
+    stop = stop_list(body.get("stop"), "stop")
     options = body.get("stream_options") or {}
     return ChatRequest(
         model=str(body.get("model", "")),

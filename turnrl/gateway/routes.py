@@ -2,10 +2,11 @@
 ``/v1/...`` and at ``/s/{session}/v1/...``, plus ``/v1/models`` and ``/metrics``.
 
 A session is named by the URL or by the API key (``Authorization: Bearer KEY`` or ``x-api-key``), so
-an agent needs only ``base_url`` and ``api_key``. FastAPI routes, uvicorn serves: the standard ASGI
-pair, both already in the field's stacks (vLLM, SGLang). The server never dies from a request: every
-failure is answered in the caller's API's error schema. A client that goes away before its reply
-aborts the call's generation.
+an agent needs only ``base_url`` and ``api_key``; a gateway with keys (``api_keys``, or a harness's,
+whose every session has a secret key) answers a missing or wrong key with a 401 (``Gateway.authorize``).
+FastAPI routes, uvicorn serves: the standard ASGI pair, both already in the field's stacks (vLLM,
+SGLang). The server never dies from a request: every failure is answered in the caller's API's
+error schema. A client that goes away before its reply aborts the call's generation.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def make_app(gateway: Gateway) -> FastAPI:
 
     async def chat(request: Request, session: str | None = None) -> Response:
         async def run() -> Response:
+            name = _name(gateway, request, session)
             asked = openai_chat.read_request(await _body(request))
-            done = await _answer(gateway, request, _name(request, session), asked)
+            done = await _answer(gateway, request, name, asked)
             if asked.stream:
                 return _stream(openai_chat.chunks(done, asked.include_usage))
             return JSONResponse(openai_chat.response(done))
@@ -49,12 +51,16 @@ def make_app(gateway: Gateway) -> FastAPI:
 
     async def responses(request: Request, session: str | None = None) -> Response:
         async def run() -> Response:
+            name = _name(gateway, request, session)
             body = await _body(request)
-            name = _name(request, session)
             earlier = body.get("previous_response_id") if isinstance(body, dict) else None
             history = None
             if earlier:
                 owner, history = gateway.history(str(earlier))
+                if owner != name and (gateway.sealed or gateway.keys is not None):  # not this key's
+                    raise ApiError(
+                        404, f"previous response {earlier!r} not found", param="previous_response_id"
+                    )
                 name = owner if session is None and _key(request) is None else name
             asked = openai_responses.read_request(body, history)
             done = await _answer(gateway, request, name, asked)
@@ -68,8 +74,9 @@ def make_app(gateway: Gateway) -> FastAPI:
 
     async def messages(request: Request, session: str | None = None) -> Response:
         async def run() -> Response:
+            name = _name(gateway, request, session)
             asked = anthropic_messages.read_request(await _body(request))
-            done = await _answer(gateway, request, _name(request, session), asked)
+            done = await _answer(gateway, request, name, asked)
             if asked.stream:
                 return _stream(anthropic_messages.events(done))
             return JSONResponse(anthropic_messages.response(done))
@@ -78,6 +85,7 @@ def make_app(gateway: Gateway) -> FastAPI:
 
     async def count_tokens(request: Request, session: str | None = None) -> Response:
         async def run() -> Response:
+            _name(gateway, request, session)
             body = await _body(request)
             asked = anthropic_messages.read_request(
                 {"max_tokens": 1, **body} if isinstance(body, dict) else body
@@ -106,6 +114,10 @@ async def _guarded(
     except ApiError as exc:
         gateway.counts["errors"] += count
         return JSONResponse(error_body(exc), status_code=exc.status)
+    except RecursionError:  # a body nested deeper than a reader follows
+        gateway.counts["errors"] += count
+        error = ApiError(400, "the request body is nested too deeply")
+        return JSONResponse(error_body(error), status_code=400)
     except Exception as exc:  # the server goes on
         gateway.counts["errors"] += count
         error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
@@ -137,19 +149,26 @@ def _stream(events: Iterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream")
 
 
-def _name(request: Request, session: str | None) -> str:
-    return session or _key(request) or DEFAULT_SESSION
+def _name(gateway: Gateway, request: Request, session: str | None) -> str:
+    """The session the call writes to, if its key may (a 401 else)."""
+    return gateway.authorize(session, _key(request), DEFAULT_SESSION)
 
 
 async def _body(request: Request) -> Any:
+    """The request's JSON, read as it arrives: past MAX_BODY_BYTES it stops with a 413 (a chunked
+    body has no length to check first)."""
     size = int(request.headers.get("content-length") or 0)
     if size > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is {size} bytes; the limit is {MAX_BODY_BYTES}")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
     try:
         return json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 

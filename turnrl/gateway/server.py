@@ -10,6 +10,7 @@ calls generating to finish under the old weights and holds new ones until it is 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable
@@ -58,6 +59,48 @@ class Gateway:
         self._open.set()
         self._generating = 0  # generations in flight
         self._idle = asyncio.Condition()
+        self.keys = frozenset(config.all_keys()) or None  # None: calls need no key
+        self.sealed = False  # True (a harness's gateway): only sessions opened with a key are served
+        self._secrets: dict[str, str] = {}  # session -> the key its calls must carry
+        self._owners: dict[str, str] = {}  # key -> its session (sealed), or session -> its key
+
+    def open_session(self, name: str, key: str) -> Session:
+        """Open session ``name``, whose calls must carry ``key`` (a harness run's secret)."""
+        self._secrets[name] = key
+        self._owners[key] = name
+        return self.session(name)
+
+    def close_session(self, name: str) -> Session | None:
+        """Forget session ``name`` and its key; the session, if it was there."""
+        key = self._secrets.pop(name, None)
+        self._owners.pop(key or "", None)
+        self._locks.pop(name, None)
+        return self.sessions.pop(name, None)
+
+    def authorize(self, session: str | None, key: str | None, default: str) -> str:
+        """The session a call may write to, given the session its URL names and its API key, or a 401.
+
+        A sealed gateway (a harness's) serves the sessions it opened, each to its own key only. With
+        ``api_keys``, a call needs one of them, and a session belongs to the key that made it. Else
+        the URL or the key names the session, as the client pleases."""
+        if self.sealed:
+            name = session if session is not None else self._owners.get(key or "")
+            expected = self._secrets.get(name or "")
+            if name is None or expected is None or key is None or not hmac.compare_digest(key, expected):
+                raise self._refuse("a missing or wrong API key for this session")
+            return name
+        if self.keys is None:
+            return session or key or default
+        if key is None or not any(hmac.compare_digest(key, k) for k in self.keys):
+            raise self._refuse("a missing or unknown API key")
+        name = session or key
+        if not hmac.compare_digest(self._secrets.setdefault(name, key), key):
+            raise self._refuse(f"the session {name!r} belongs to another API key")
+        return name
+
+    def _refuse(self, why: str) -> ApiError:
+        self.counts["unauthorized"] += 1
+        return ApiError(401, f"unauthorized: {why}", "authentication_error", code="invalid_api_key")
 
     def session(self, name: str) -> Session:
         """The session ``name`` (made on its first call)."""
@@ -246,6 +289,7 @@ class Gateway:
             f"turnrl_gateway_calls_total {self.counts['calls']}",
             f"turnrl_gateway_errors_total {self.counts['errors']}",
             f"turnrl_gateway_aborted_total {self.counts['aborted']}",
+            f"turnrl_gateway_unauthorized_total {self.counts['unauthorized']}",
             f'turnrl_gateway_tokens_total{{kind="prompt"}} {self.counts["prompt_tokens"]}',
             f'turnrl_gateway_tokens_total{{kind="completion"}} {self.counts["completion_tokens"]}',
             f"turnrl_gateway_call_seconds_sum {self.seconds:.6f}",

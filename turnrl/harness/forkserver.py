@@ -7,7 +7,9 @@ group) of its own, its own folder as working directory, its own variables (``os.
 stdin (/dev/null), stdout and stderr files, ``sys.argv`` and ``sys.path[0]``, and exit code. It ends
 as ``python`` does (threads joined, ``atexit`` functions run, files left open written and closed, the
 same status and traceback) without freeing every object one by one, which would copy every page it
-shares with the server. What it shares with the server is what was imported before the fork, so a
+shares with the server. The fork the server reports is the run's keeper (``turnrl.harness.keeper``):
+it forks the run once more and, when the run ends (or on SIGTERM), kills whatever it left behind.
+What it shares with the server is what was imported before the fork, so a
 preloaded module must not read the run's variables at import time (it saw turnrl's).
 
 ``python -m turnrl.harness.forkserver [--path FOLDER]... MODULE...`` (FOLDER: where else a module may
@@ -34,6 +36,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
+
+from turnrl.harness.keeper import keep_forked
 
 
 def forkable(argv: list[str]) -> list[str] | None:
@@ -231,7 +235,6 @@ def _become(request: dict[str, Any]) -> None:
     """In the fork: turn into the run ``request`` describes, then run it as ``python`` would."""
     import runpy
 
-    os.setsid()
     os.chdir(request["cwd"])
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_APPEND)):
         opened = os.open(path, mode)
@@ -277,7 +280,9 @@ def main() -> None:
     for folder in search:  # a run's own sys.path is a new process's
         sys.path.remove(folder)
     _say({"ready": True})
-    os._exit(_run(_serve()))
+    request = _serve()
+    os.setsid()  # the run's own session, led by its keeper: the run is forked once more below it
+    keep_forked(lambda: _run(request))
 
 
 def _run(request: dict[str, Any]) -> int:

@@ -1,6 +1,7 @@
-"""One agent process: started in a session of its own in its folder, waited for within its timeout,
-killed with its whole process group when it outruns it (and after it exits: nothing is left behind),
-its output kept in files beside the folder and read back as tails."""
+"""One agent process: started as its runtime launches it (in a sandbox, or under a keeper), in a
+session of its own in its folder, waited for within its timeout, stopped with everything it started
+when it outruns it (and after it exits: nothing is left behind), its output kept in files beside the
+folder and read back as tails. ``run_command`` runs a reward's command the same way."""
 
 from __future__ import annotations
 
@@ -10,14 +11,35 @@ import importlib.util
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from turnrl.harness.forkserver import ForkServer, forkable
+from turnrl.harness.runtime import Launch
+from turnrl.support.imports import search_path
 
 TAIL = 4000  # characters of stdout and stderr kept in a result
+STOP_GRACE_S = 3.0  # a keeper told to stop has this long to kill what the run started
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """How a command run in a run's folder ended (``HarnessResult.run``)."""
+
+    exit_code: int | None  # None: killed at its timeout
+    stdout: str  # the last TAIL characters
+    stderr: str
+    timed_out: bool
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """It exited by itself with code 0."""
+        return self.exit_code == 0
 
 
 @dataclass(frozen=True)
@@ -47,9 +69,10 @@ def argv_for(command: list[str] | str, prompt: str) -> list[str]:
 def check_command(command: list[str] | str) -> str | None:
     """Why ``command`` cannot start (one line), or None: an argv's program must exist."""
     if isinstance(command, str):
-        if ":" not in command:
+        module, colon, function = command.partition(":")
+        if not colon or not module or not function:
             return f"env.command {command!r}: a Python callable is 'module:function' (or give an argv list)"
-        return None
+        return _find_module(module, "env.command")
     if not command:
         return "env.command is empty"
     program = command[0]
@@ -63,13 +86,21 @@ def check_command(command: list[str] | str) -> str | None:
 def check_preload(modules: list[str]) -> str | None:
     """Why a module of ``env.preload`` cannot be imported (one line), or None: it must be found."""
     for entry in modules:
-        name = entry.partition(":")[0]  # "module:function": a warm-up in that module
-        try:
-            found = importlib.util.find_spec(name)
-        except (ImportError, ValueError) as exc:
-            return f"env.preload: {name!r} cannot be imported: {exc}"
-        if found is None:
-            return f"env.preload: no module named {name!r} in {sys.executable}'s environment"
+        problem = _find_module(entry.partition(":")[0], "env.preload")  # "module:function": a warm-up
+        if problem:
+            return problem
+    return None
+
+
+def _find_module(name: str, what: str) -> str | None:
+    """Why module ``name`` cannot be found (one line), or None; nothing is imported but its parents."""
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as exc:
+        return f"{what}: {name!r} cannot be imported: {exc}"
+    if found is None:
+        where = ", ".join(search_path()) or str(Path.cwd())
+        return f"{what}: no module named {name!r} (searched {where} and {sys.executable}'s environment)"
     return None
 
 
@@ -101,30 +132,30 @@ def kill_group(pid: int) -> None:
 
 
 async def run_agent(
-    argv: list[str],
-    folder: Path,
+    launch: Launch,
     logs: Path,
-    env: dict[str, str],
     timeout: float,
     forks: ForkServer | None = None,
 ) -> Exit:
-    """Run ``argv`` in ``folder`` (stdout and stderr to ``logs``.stdout/.stderr) for at most
-    ``timeout`` seconds, forked by ``forks`` when it is a Python script or module it can run; its
-    process group is killed when it ends either way."""
+    """Run ``launch`` (stdout and stderr to ``logs``.stdout/.stderr) for at most ``timeout``
+    seconds, forked by ``forks`` when it is an unsandboxed Python script or module it can run; when
+    it ends either way, everything it started is killed and its launch closed."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     out, err = logs.with_suffix(".stdout"), logs.with_suffix(".stderr")
     waited: Callable[[int], Awaitable[int]]
+    python = forkable(launch.argv[launch.argv.index("--") + 1 :]) if forks and not launch.sandboxed else None
     try:
-        if forks is not None and (python := forkable(argv)) is not None:
+        if forks is not None and python is not None:
             out.write_bytes(b"")
             err.write_bytes(b"")
-            pid = await forks.spawn(python, str(folder), env, str(out), str(err))
+            pid = await forks.spawn(python, str(launch.cwd), launch.env, str(out), str(err))
             waited = forks.wait
         else:
-            pid, waited = await _start(argv, folder, env, out, err)
+            pid, waited = await _start(launch, out, err)
     except OSError as exc:
-        return Exit(None, False, "", "", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+        launch.close()
+        return Exit(None, False, "", "", f"cannot start {launch.argv[0]!r}: {exc.strerror or exc}")
     timed_out, code, error = False, None, None
     try:
         async with asyncio.timeout(timeout):
@@ -134,26 +165,68 @@ async def run_agent(
     except OSError as exc:  # the fork server went away
         error = str(exc)
     finally:
-        kill_group(pid)  # the agent's children too, also when it exited on its own
         if code is None and error is None:
-            with contextlib.suppress(OSError):
-                await waited(pid)
+            await _stop(pid, waited)
+        kill_group(pid)  # the agent's group too, also when it exited on its own
+        launch.close()
     return Exit(code, timed_out, tail(out), tail(err), error, seconds=loop.time() - t0)
 
 
-async def _start(
-    argv: list[str], folder: Path, env: dict[str, str], out: Path, err: Path
-) -> tuple[int, Callable[[int], Awaitable[int]]]:
-    """A new process for ``argv``: its pid and how to wait for its exit code."""
+async def _stop(pid: int, waited: Callable[[int], Awaitable[int]]) -> None:
+    """End a run still going: its keeper is told (SIGTERM: it kills everything the run started,
+    wherever it went), then, past a grace period, the whole group is killed."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(STOP_GRACE_S):
+            await waited(pid)
+            return
+    kill_group(pid)
+    with contextlib.suppress(OSError):
+        await waited(pid)
+
+
+def run_command(launch: Launch, timeout: float) -> CommandResult:
+    """Run ``launch`` to its end or ``timeout`` (blocking: a reward runs in a thread of its own);
+    everything it started is killed either way."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        launch.argv,
+        cwd=launch.cwd,
+        env=launch.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=launch.preexec,
+    )
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        kill_group(proc.pid)
+        out, err = proc.communicate()
+    finally:
+        kill_group(proc.pid)
+        launch.close()
+    code = None if timed_out else proc.returncode
+    text = [data.decode("utf-8", "replace")[-TAIL:] for data in (out, err)]
+    return CommandResult(code, text[0], text[1], timed_out, time.monotonic() - t0)
+
+
+async def _start(launch: Launch, out: Path, err: Path) -> tuple[int, Callable[[int], Awaitable[int]]]:
+    """A new process for ``launch``: its pid and how to wait for its exit code."""
     with out.open("wb") as stdout, err.open("wb") as stderr:
         proc = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=folder,
-            env=env,
+            *launch.argv,
+            cwd=launch.cwd,
+            env=launch.env,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,  # its own process group: killed whole
+            preexec_fn=launch.preexec,
         )
 
     async def wait(_: int) -> int:

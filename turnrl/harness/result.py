@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from turnrl.harness.process import CommandResult
 from turnrl.types import Message, Sample, Trajectory
 
 RewardFn = Callable[[Sample, "HarnessResult"], Any]
+CommandRunner = Callable[[list[str], float], CommandResult]
 
 
 @dataclass
@@ -25,6 +27,21 @@ class HarnessResult:
     folder: Path  # its working folder (removed after scoring unless env.keep_folders)
     calls: int = 0  # model calls answered
     info: dict[str, Any] = field(default_factory=dict)
+    runner: CommandRunner | None = field(default=None, repr=False)  # the run's runtime, for ``run``
+    commands: list[dict[str, Any]] = field(default_factory=list)  # what ``run`` ran, kept with the run
+
+    def run(self, command: str | list[str], timeout_s: float = 600.0) -> CommandResult:
+        """Run ``command`` (a shell line, or an argv) in the run's folder, in the run's sandbox (as the
+        agent ran: the same view, limits and no network), after the agent ended: a task's tests.
+        Blocking (the reward runs in a thread of its own); everything it starts ends with it."""
+        if self.runner is None:
+            raise RuntimeError("this result has no runtime to run commands in")
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        result = self.runner(argv, timeout_s)
+        self.commands.append(
+            {"command": command, "exit_code": result.exit_code, "seconds": round(result.seconds, 3)}
+        )
+        return result
 
     @property
     def messages(self) -> list[Message]:

@@ -1,6 +1,11 @@
-"""One harness run per sample and group member: an isolated folder, the agent started with its
-session's URL and key, waited for within its timeout, its session's branches scored and returned as
+"""One harness run per sample and group member: an isolated folder, the agent started in its
+runtime (a bubblewrap sandbox by default, ``env.sandbox: none`` for plain processes) with its
+session's URL and secret key, waited for within its timeout, its session's branches scored (the
+reward in a thread of its own, able to run commands in the run's sandbox) and returned as
 trajectories (``HarnessRunner`` is the rollout spec's ``runner``).
+
+The gateway is sealed: it serves only the sessions of runs in progress, each to its own random key,
+so a run that learns another's session name still cannot call it (a 401, counted in ``/metrics``).
 
 Every branch of a run carries the run's stop reason (``agent_done``; ``agent_error`` for a crash, a
 non-zero exit, an agent that never called; ``agent_timeout``; ``token_budget`` when the session's
@@ -14,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
+import secrets
 import shutil
 import statistics
 import tempfile
@@ -29,8 +36,10 @@ from turnrl.config import HarnessConfig
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.server import Gateway
 from turnrl.harness.forkserver import ForkServer
-from turnrl.harness.process import Exit, argv_for, run_agent
+from turnrl.harness.process import CommandResult, Exit, argv_for, run_agent, run_command
 from turnrl.harness.result import HarnessResult, RewardError, RewardFn, branch_rewards
+from turnrl.harness.runtime import LocalRuntime, Runtime
+from turnrl.harness.sandbox import BubblewrapRuntime
 from turnrl.harness.serving import Served, serve
 from turnrl.rollout.episode import failed_trajectory
 from turnrl.rollout.spec import RolloutSpec
@@ -38,6 +47,12 @@ from turnrl.support.imports import import_object, search_path
 from turnrl.tools.parser_base import ToolParser
 from turnrl.tools.parsers import get_parser
 from turnrl.types import Engine, Sample, StopReason, Trajectory
+
+log = logging.getLogger(__name__)
+UNSANDBOXED = (
+    "env.sandbox: none: agents run as your own processes, unsandboxed: what the model writes can change"
+    " any file you can and reach other runs on this machine"
+)
 
 
 class HarnessRunner:
@@ -63,10 +78,23 @@ class HarnessRunner:
         if config.tool_parser:
             parser = get_parser(config.tool_parser)
         self.gateway = Gateway(engine, encoder, parser, gateway_config)
+        self.gateway.sealed = True  # a run's session answers its own key only
         self.reward: RewardFn = import_object(config.reward, "env.reward")
         self.setup = import_object(config.setup, "env.setup") if config.setup else None
         self.skip = [re.compile(pattern) for pattern in config.skip_system]
         self.root = out_dir / "harness" if config.keep_folders else Path(tempfile.mkdtemp(prefix="turnrl-"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.runtime: Runtime
+        if config.sandbox == "none":
+            log.warning(UNSANDBOXED)
+            self.runtime = LocalRuntime()
+        else:
+            files = [
+                Path(a).parent for a in argv_for(config.command, "") if os.sep in a and Path(a).is_file()
+            ]
+            self.runtime = BubblewrapRuntime(
+                config.sandbox, [*search_path(), *files], hidden=[out_dir, self.root]
+            )
         self._serving: asyncio.Future[Served] | None = None  # the gateway's start, shared by every run
         self.forks = None
         if config.preload:  # its imports see the variables every run has (env.env's fixed ones)
@@ -76,8 +104,17 @@ class HarnessRunner:
     async def url(self) -> str:
         """The gateway's base URL (started on first use: runs that ask at once share one start)."""
         if self._serving is None:
-            self._serving = asyncio.ensure_future(serve(self.gateway))
+            sandboxed = isinstance(self.runtime, BubblewrapRuntime)
+            self._serving = asyncio.ensure_future(
+                self._serve(self.root / ".gateway.sock" if sandboxed else None)
+            )
         return (await asyncio.shield(self._serving)).url
+
+    async def _serve(self, unix: Path | None) -> Served:
+        served = await serve(self.gateway, unix=unix)
+        if unix is not None and isinstance(self.runtime, BubblewrapRuntime):
+            self.runtime.gateway = (served.port, unix)  # sandboxed runs reach it by the socket
+        return served
 
     async def close(self) -> None:
         """Stop the gateway and the fork server; remove the runs' folders unless they are kept."""
@@ -96,25 +133,22 @@ class HarnessRunner:
         name = f"{_safe(sample.id)}-{index}-{uuid.uuid4().hex[:8]}"
         run_dir = self.root / name
         folder = run_dir / "work"
-        session = self.gateway.session(name)
+        key = f"turnrl-{secrets.token_urlsafe(24)}"  # the session's secret: its name is not enough
+        session = self.gateway.open_session(name, key)
         session.sampling, session.engine = spec.sampling, spec.engine  # a warm start's replay: scripted
         session.seed_key = f"{sample.id}/{index}"  # seeds as an env's trajectory has: the run repeats
         try:
             self._prepare(sample, run_dir, folder)
-            exit = await run_agent(
-                argv_for(self.config.command, _prompt(sample)),
-                folder,
-                run_dir / "agent",
-                self._environment(await self.url(), name, run_dir, folder),
-                self.config.timeout_s,
-                self.forks,
-            )
-            return self._score(sample, index, name, exit, folder)
+            variables = self._environment(await self.url(), name, key, run_dir, folder)
+            argv = argv_for(self.config.command, _prompt(sample))
+            launch = self.runtime.launch(argv, folder, variables, [run_dir / "sample.json"])
+            exit = await run_agent(launch, run_dir / "agent", self.config.timeout_s, self.forks)
+            return await self._score(sample, index, name, exit, folder, run_dir)
         except Exception as exc:  # the folder or the setup hook failed: the run did not happen
             error = f"the harness run could not start: {type(exc).__name__}: {exc}"
             return [failed_trajectory(sample, index, error, StopReason.AGENT_ERROR)]
         finally:
-            self.gateway.sessions.pop(name, None)
+            self.gateway.close_session(name)
             if not self.config.keep_folders:
                 shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -130,52 +164,70 @@ class HarnessRunner:
         (run_dir / "sample.json").write_text(json.dumps(row, default=str), encoding="utf-8")
         if self.setup is not None:
             self.setup(sample, folder)
+        self.runtime.prepare(folder)
 
-    def _environment(self, url: str, name: str, run_dir: Path, folder: Path) -> dict[str, str]:
-        """This process's variables, ``env.env`` (``{openai_base_url}``, ``{anthropic_base_url}``,
-        ``{api_key}``, ``{folder}`` filled in), and the session's URL and key for every client."""
+    def _environment(self, url: str, name: str, key: str, run_dir: Path, folder: Path) -> dict[str, str]:
+        """``env.env`` (``{openai_base_url}``, ``{anthropic_base_url}``, ``{api_key}``, ``{folder}``
+        filled in), and the session's URL and secret key for every client (the runtime adds the
+        variables of this process a run gets: all of them unsandboxed, a few in a sandbox)."""
         fill = {
             "openai_base_url": f"{url}/s/{name}/v1",
             "anthropic_base_url": f"{url}/s/{name}",
-            "api_key": name,
+            "api_key": key,
             "folder": str(folder),
         }
-        own = {key: value.format(**fill) for key, value in self.config.env.items()}
+        own = {k: value.format(**fill) for k, value in self.config.env.items()}
         session = {
             "OPENAI_BASE_URL": fill["openai_base_url"],
-            "OPENAI_API_KEY": name,
+            "OPENAI_API_KEY": key,
             "ANTHROPIC_BASE_URL": fill["anthropic_base_url"],
-            "ANTHROPIC_API_KEY": name,
+            "ANTHROPIC_API_KEY": key,
             "TURNRL_MODEL": self.gateway.model,
             "TURNRL_SESSION": name,
             "TURNRL_SAMPLE": str(run_dir / "sample.json"),
         }
-        return {**os.environ, **session, **own}
+        return {**session, **own}
 
-    def _score(self, sample: Sample, index: int, name: str, exit: Exit, folder: Path) -> list[Trajectory]:
+    async def _score(
+        self, sample: Sample, index: int, name: str, exit: Exit, folder: Path, run_dir: Path
+    ) -> list[Trajectory]:
         """The run's branches as trajectories, with its stop reason and rewards."""
         session = self.gateway.session(name)
         branches = [_as_member(b.trajectory(name), sample, index) for b in session.branches]
         result = HarnessResult(
             branches, exit.code, exit.timed_out, exit.stdout, exit.stderr, folder, session.calls
         )
+        result.runner = lambda argv, timeout: self._command(argv, folder, run_dir, timeout)
         stop, error = _ending(exit, result, self.config.timeout_s, session.over_budget)
         if not branches:
             return [failed_trajectory(sample, index, error or "the agent never called the model", stop)]
-        run_info = {"exit_code": exit.code, "seconds": round(exit.seconds, 3), "calls": session.calls}
+        run_info: dict[str, Any] = {
+            "exit_code": exit.code,
+            "seconds": round(exit.seconds, 3),
+            "calls": session.calls,
+        }
         for traj in branches:
             traj.stop_reason, traj.error = stop, error
             traj.info["run"] = run_info
         if stop in (StopReason.AGENT_DONE, StopReason.TOKEN_BUDGET):
-            self._reward(sample, result)
+            await self._reward(sample, result)
+        if result.commands:
+            run_info["commands"] = result.commands
         self._select(branches)
         return branches
 
-    def _reward(self, sample: Sample, result: HarnessResult) -> None:
-        """Score the branches with the user's reward; a raise or a bad value ends them as
-        internal_error (a bug in a hook), a None leaves them out of training."""
+    def _command(self, argv: list[str], folder: Path, run_dir: Path, timeout: float) -> CommandResult:
+        """A reward's command, run in the run's folder as the agent ran (no gateway to call)."""
+        variables = {"TURNRL_SAMPLE": str(run_dir / "sample.json")}
+        launch = self.runtime.launch(argv, folder, variables, [run_dir / "sample.json"], gateway=False)
+        return run_command(launch, timeout)
+
+    async def _reward(self, sample: Sample, result: HarnessResult) -> None:
+        """Score the branches with the user's reward, in a thread (it may run the task's tests); a
+        raise or a bad value ends them as internal_error (a bug in a hook), a None leaves them out
+        of training."""
         try:
-            rewards = branch_rewards(self.reward, sample, result)
+            rewards = await asyncio.to_thread(branch_rewards, self.reward, sample, result)
         except RewardError as exc:
             for traj in result.branches:
                 traj.stop_reason, traj.error = StopReason.INTERNAL_ERROR, f"env.reward: {exc}"

@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
@@ -35,10 +38,10 @@ _QUIET = _QuietCancellations()
 
 
 class Served:
-    """A started server: its base URL, and ``close``."""
+    """A started server: its base URL and port, and ``close``."""
 
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], url: str) -> None:
-        self.server, self.task, self.url = server, task, url
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], url: str, port: int) -> None:
+        self.server, self.task, self.url, self.port = server, task, url, port
 
     async def close(self) -> None:
         """Stop serving."""
@@ -46,16 +49,25 @@ class Served:
         await asyncio.gather(self.task, return_exceptions=True)
 
 
-async def serve(gateway: Gateway, host: str = "127.0.0.1") -> Served:
-    """Serve ``gateway`` on a free port of ``host`` in this loop; returns once it listens."""
+async def serve(gateway: Gateway, host: str = "127.0.0.1", unix: Path | None = None) -> Served:
+    """Serve ``gateway`` on a free port of ``host`` in this loop (and on the Unix socket ``unix``,
+    which sandboxed runs reach it by); returns once it listens."""
     config = uvicorn.Config(make_app(gateway), host, 0, log_level="warning", lifespan="off")
     logging.getLogger("uvicorn.error").addFilter(_QUIET)  # no-op when it is there already
     server = _Server(config)
-    task = asyncio.create_task(server.serve())
+    listening = socket.create_server((host, 0))
+    sockets = [listening]
+    if unix is not None:
+        at_unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        at_unix.bind(str(unix))
+        os.chmod(unix, 0o666)  # a sandbox's user may connect; its folder keeps others from finding it
+        at_unix.listen(128)
+        sockets.append(at_unix)
+    task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:
         if task.done():
             await task  # raises why it could not start
             raise RuntimeError("the harness gateway stopped before it listened")
         await asyncio.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return Served(server, task, f"http://{host}:{port}")
+    port = listening.getsockname()[1]
+    return Served(server, task, f"http://{host}:{port}", port)

@@ -1,0 +1,189 @@
+"""Harness runs cannot touch each other or the machine: real agent processes in real bubblewrap
+sandboxes, one escape each (tests/harness_agents/escape_agent.py), each beside an honest run in the
+same batch. Each test asserts the escape failed, the run ended as docs/gateway.md says, the honest
+run was scored as usual, and nothing of the escapee is left on the machine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gateway_fixtures import Recorder
+
+from turnrl.chat.encoder import ChatEncoder
+from turnrl.config import HarnessConfig
+from turnrl.engines.scripted import ScriptedEngine
+from turnrl.harness import HarnessRunner
+from turnrl.support.imports import add_search_path
+from turnrl.tools.parsers import get_parser
+from turnrl.types import Sample, StopReason, Trajectory
+
+AGENTS = Path(__file__).parent / "harness_agents"
+add_search_path(AGENTS)
+import escape_task  # noqa: E402  (beside the agent: the run's env.reward)
+
+
+def batch(
+    tokenizer: Any, tmp_path: Path, mode: str, **harness: Any
+) -> tuple[HarnessRunner, Trajectory, list[Trajectory], str]:
+    """The escapee and an honest run at once; the runner, the honest run, the escapee's
+    trajectories, and the marker its leftover processes would carry."""
+    add_search_path(AGENTS)
+    marker = f"turnrl-escape-{uuid.uuid4().hex}"
+    config = HarnessConfig.model_validate(
+        {
+            "kind": "harness",
+            "command": ["python", str(AGENTS / "escape_agent.py"), "{prompt}", marker],
+            "reward": "escape_task:reward",
+            "setup": "escape_task:setup",
+            "env": {"HONEST_WAIT": "2"},
+            **harness,
+        }
+    )
+    engine = Recorder(ScriptedEngine(tokenizer, ["Hi."] * 8))
+    runner = HarnessRunner(
+        config, engine, ChatEncoder(tokenizer), get_parser("hermes"), "m", tmp_path / "out"
+    )  # type: ignore[arg-type]
+    escape_task.OPEN[:] = [runner]
+    escape_task.FOUND.clear()
+    spec: Any = type("Spec", (), {"sampling": None, "engine": None})()
+
+    async def go() -> tuple[list[Trajectory], list[Trajectory]]:
+        try:
+            honest = runner(Sample("honest", [{"role": "user", "content": "honest"}]), 0, spec)
+            escapee = runner(Sample("escapee", [{"role": "user", "content": mode}]), 0, spec)
+            return tuple(await asyncio.gather(honest, escapee))  # type: ignore[return-value]
+        finally:
+            await runner.close()
+
+    honest, escapee = asyncio.run(go())
+    [good] = honest
+    assert good.stop_reason == StopReason.AGENT_DONE and good.reward == 1.0, good.error  # unharmed
+    assert good.info["run"]["calls"] == 1  # and nobody else wrote into its session
+    return runner, good, escapee, marker
+
+
+def leftovers(marker: str) -> list[int]:
+    """Processes of this machine whose command line carries ``marker``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def test_a_sandboxed_run_cannot_write_outside_its_folder(qwen3_tokenizer: Any, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.txt"
+    home = Path.home() / "escaped"
+    _, _, [traj], _ = batch(
+        qwen3_tokenizer,
+        tmp_path,
+        "write",
+        env={"ESCAPE_PATHS": f"{outside}:{tmp_path}/out/x"},
+        keep_folders=True,
+    )
+    assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
+    assert escape_task.FOUND["escapee"]["wrote"]  # it tried: what it wrote went to its private /tmp
+    assert not outside.exists() and not (tmp_path / "out" / "x").exists()  # the host's /tmp, turnrl's output
+    assert not home.exists()  # the user's home
+    assert not list((tmp_path / "out" / "harness").glob("*/escaped"))  # the run's own ../
+
+
+def test_a_sandboxed_run_sees_no_other_process_and_no_session_key(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "environ")
+    found = escape_task.FOUND["escapee"]
+    assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
+    assert found["others"] == []  # not the honest run's agent, not turnrl
+    assert int(found["processes"]) <= 4  # its PID namespace: the keeper's init, the keeper, the agent
+
+
+@pytest.mark.parametrize("sandbox", ["bubblewrap", "none"])
+def test_a_run_that_knows_another_sessions_name_cannot_call_it(
+    qwen3_tokenizer: Any, tmp_path: Path, sandbox: str
+) -> None:
+    runner, good, [traj], _ = batch(qwen3_tokenizer, tmp_path, "call", **_sandbox(sandbox))
+    assert escape_task.FOUND["escapee"]["status"] == 401  # its own key opens its own session only
+    assert runner.gateway.counts["unauthorized"] == 1
+    assert "turnrl_gateway_unauthorized_total 1" in runner.gateway.metrics()
+    assert traj.info["run"]["calls"] == 1 and good.info["run"]["calls"] == 1
+
+
+@pytest.mark.parametrize(
+    ("sandbox", "preload"),
+    [("bubblewrap", []), ("none", []), ("none", ["openai"])],
+    ids=["sandboxed", "process", "forked"],
+)
+@pytest.mark.parametrize("mode", ["setsid", "double_fork"])
+def test_nothing_the_agent_started_outlives_its_run(
+    qwen3_tokenizer: Any, tmp_path: Path, mode: str, sandbox: str, preload: list[str]
+) -> None:
+    _, _, [traj], marker = batch(qwen3_tokenizer, tmp_path, mode, preload=preload, **_sandbox(sandbox))
+    assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
+    assert leftovers(marker) == []
+
+
+def test_a_fork_bomb_ends_at_its_timeout_and_leaves_nothing(qwen3_tokenizer: Any, tmp_path: Path) -> None:
+    _, _, [traj], marker = batch(qwen3_tokenizer, tmp_path, "fork_bomb", timeout_s=8)
+    assert traj.stop_reason in (StopReason.AGENT_TIMEOUT, StopReason.AGENT_ERROR)
+    assert leftovers(marker) == []
+
+
+def test_a_memory_hog_is_stopped_by_the_default_limit(qwen3_tokenizer: Any, tmp_path: Path) -> None:
+    _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "memory")
+    assert traj.stop_reason == StopReason.AGENT_DONE, traj.error  # it caught its MemoryError
+    assert 0 < escape_task.FOUND["escapee"]["held_mb"] <= 4096  # env.sandbox.memory_mb's default
+
+
+def test_a_sandboxed_run_reaches_no_loopback_port_but_its_gateway(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "port", env={"ESCAPE_PORT": str(port)})
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    assert traj.stop_reason == StopReason.AGENT_DONE, traj.error  # and its gateway answered its call
+    assert escape_task.FOUND["escapee"] == {
+        "mode": "port",
+        "connected": False,
+        "error": "ConnectionRefusedError",
+    }
+
+
+def test_the_reward_runs_the_tasks_tests_in_the_runs_sandbox(
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def reward(sample: Sample, result: Any) -> float:
+        if sample.id == "honest":
+            return 1.0
+        tests = result.run(
+            "cat escape.json && touch ran.txt && ls /proc | grep -c '^[0-9]' && touch ../out.txt"
+        )
+        seen.update(code=tests.exit_code, out=tests.stdout, folder=sorted(os.listdir(result.folder)))
+        return float(tests.ok)
+
+    monkeypatch.setattr(escape_task, "reward", reward)
+    _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "honest")
+    assert seen["code"] == 0 and '"mode": "honest"' in seen["out"]
+    assert "ran.txt" in seen["folder"] and not (tmp_path / "out.txt").exists()  # its folder, not the host's
+    assert int(seen["out"].splitlines()[-1]) <= 5  # in a PID namespace of its own
+    assert traj.reward == 1.0 and traj.info["run"]["commands"][0]["exit_code"] == 0
+
+
+def _sandbox(name: str) -> dict[str, Any]:
+    return {"sandbox": "none"} if name == "none" else {}

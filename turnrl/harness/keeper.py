@@ -1,0 +1,171 @@
+"""The keeper of one harness run: the process that starts the agent, waits for it, and then kills
+everything the agent left behind, however it got away (``setsid``, a double fork).
+
+It makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``): a process of the run whose parent
+dies is handed to the keeper, not to the machine's init, so when the agent ends the keeper finds
+every survivor among its own children and kills it. A SIGTERM (the run's timeout) does the same at
+once. Inside a sandbox it also bridges the gateway: it listens on ``127.0.0.1:PORT`` of the sandbox's
+own network, where the agent's client connects, and carries each connection to the gateway's Unix
+socket bound into the sandbox; nothing else is reachable.
+
+``python -I -S keeper.py [--bridge PORT SOCKET] -- ARGV...``: standard library only (it runs with no
+site-packages, in a fraction of the time an import of turnrl takes). Its exit status is the agent's
+(a signal N as 128 + N, as a shell reports it). ``keep_forked`` is the same keeper for a run forked
+by the fork server, which cannot exec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+
+PR_SET_CHILD_SUBREAPER = 36
+PASSES = 64  # rounds of "kill every child, reap": each round takes the orphans of the last one
+
+
+def become_subreaper() -> None:
+    """Orphans of this process's descendants become its children (Linux; elsewhere: no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def children() -> list[int]:
+    """This process's children, from ``/proc`` (every thread's list)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+                found += [int(pid) for pid in f.read().split()]
+    return found
+
+
+def kill_all() -> None:
+    """SIGKILL every descendant: children first (a killed child's orphans come to this process,
+    a subreaper, and are killed in the next pass), reaping as they go."""
+    for _ in range(PASSES):
+        alive = children()
+        if not alive:
+            break
+        for pid in alive:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _reap_all()
+    _reap_all()
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def wait_for(pid: int) -> int:
+    """``pid``'s exit code (``-N``: killed by signal N), reaping the orphans that end before it."""
+    while True:
+        try:
+            got, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return 0
+        if got == pid:
+            return os.waitstatus_to_exitcode(status)
+
+
+def end(code: int) -> None:
+    """Kill what is left, then exit with ``code`` (a signal by the signal itself)."""
+    kill_all()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def _on_term(*_: object) -> None:
+    kill_all()
+    os._exit(128 + signal.SIGTERM)
+
+
+def keep_forked(run: Callable[[], int]) -> None:
+    """In a run forked by the fork server (the run's session leader): fork once more, ``run`` in
+    the grandchild, and keep it from here; never returns."""
+    become_subreaper()
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os._exit(run())
+    signal.signal(signal.SIGTERM, _on_term)
+    end(wait_for(pid))
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    """Copy ``source`` to ``sink`` until ``source`` ends, then end ``sink``'s writing side."""
+    with contextlib.suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+    with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+
+def _carry(client: socket.socket, path: str) -> None:
+    with client, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gateway:
+        try:
+            gateway.connect(path)
+        except OSError:
+            return
+        back = threading.Thread(target=_pump, args=(gateway, client), daemon=True)
+        back.start()
+        _pump(client, gateway)
+        back.join()
+
+
+def _bridge(listener: socket.socket, path: str) -> None:
+    while True:
+        client, _ = listener.accept()
+        threading.Thread(target=_carry, args=(client, path), daemon=True).start()
+
+
+def listen(port: int) -> socket.socket:
+    """A listener on the sandbox's loopback at ``port``."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)
+    return listener
+
+
+def main(args: list[str]) -> None:
+    """Bridge (when asked), start ``ARGV`` and keep it."""
+    bridge = None
+    if args[:1] == ["--bridge"]:
+        bridge, args = (int(args[1]), args[2]), args[3:]
+    argv = args[1:] if args[:1] == ["--"] else args
+    become_subreaper()
+    listener = listen(bridge[0]) if bridge else None  # before the agent starts: no race
+    pid = os.fork()
+    if pid == 0:
+        if listener is not None:
+            listener.close()
+        try:
+            os.execvp(argv[0], argv)
+        except OSError as exc:
+            os.write(2, f"cannot start {argv[0]!r}: {exc.strerror or exc}\n".encode())
+            os._exit(127)
+    signal.signal(signal.SIGTERM, _on_term)
+    if listener is not None and bridge is not None:
+        threading.Thread(target=_bridge, args=(listener, bridge[1]), daemon=True).start()
+    end(wait_for(pid))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,81 @@
+"""The runtime seam of the harness: where a run's processes (the agent, and the commands its reward
+runs in the run's folder) run. A ``Runtime`` turns a command into a ``Launch`` (the argv that really
+starts, its variables and its limits); ``turnrl.harness.process`` starts launches and waits for them.
+
+Two runtimes ship: ``BubblewrapRuntime`` (``turnrl.harness.sandbox``, the default) and
+``LocalRuntime`` (``env.sandbox: none``): plain processes of the user, each under a keeper that
+kills whatever the agent left behind. A container or a remote sandbox plugs in as another
+``Runtime``: its ``launch`` gives the command that runs ``argv`` in the run's folder there (for
+example ``podman exec`` into the run's container), its ``close`` frees what a run held.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+KEEPER = str(Path(__file__).with_name("keeper.py"))
+
+
+@dataclass
+class Launch:
+    """A command ready to start: what runs, with which variables, how it is limited, what to free."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    preexec: Callable[[], None] | None = None  # in the child before exec: limits, a cgroup
+    user: int | None = None  # the uid to start as (None: turnrl's own)
+    close: Callable[[], None] = field(default=lambda: None)  # after the run: kill what is left, free
+    sandboxed: bool = False
+
+
+class Runtime(Protocol):
+    """Where a harness run's processes run."""
+
+    name: str
+
+    def prepare(self, folder: Path) -> None:
+        """Make a prepared run folder the run's own (ownership, permissions)."""
+
+    def launch(
+        self,
+        argv: Sequence[str],
+        folder: Path,
+        env: dict[str, str],
+        read_only: Sequence[Path] = (),
+        gateway: bool = True,
+    ) -> Launch:
+        """How to run ``argv`` in ``folder`` with ``env`` (``read_only``: files it may read;
+        ``gateway``: whether it reaches the run's gateway)."""
+
+
+class LocalRuntime:
+    """Plain processes of the user (``env.sandbox: none``), each under a keeper (its own session;
+    a subreaper that kills every process the agent left behind when it ends)."""
+
+    name = "none"
+
+    def prepare(self, folder: Path) -> None:
+        """Nothing to do: the run's processes are the user's."""
+
+    def launch(
+        self,
+        argv: Sequence[str],
+        folder: Path,
+        env: dict[str, str],
+        read_only: Sequence[Path] = (),
+        gateway: bool = True,
+    ) -> Launch:
+        """``argv`` under the keeper, with turnrl's variables and ``env`` on top."""
+        return Launch(keeper_argv(argv), {**os.environ, **env}, folder)
+
+
+def keeper_argv(argv: Sequence[str], bridge: tuple[int, str] | None = None) -> list[str]:
+    """``argv`` run by the keeper (``python -I -S``: no site-packages, a fast start)."""
+    bridged = ["--bridge", str(bridge[0]), bridge[1]] if bridge else []
+    return [sys.executable, "-I", "-S", KEEPER, *bridged, "--", *argv]

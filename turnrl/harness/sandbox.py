@@ -1,0 +1,161 @@
+"""The default runtime of harness runs: each run, and everything it starts, in a bubblewrap sandbox.
+
+What a run sees: the system folders and a few files of /etc read-only, turnrl's Python environment
+and the folders its command and hooks come from read-only (``env.sandbox.read_only`` adds more), its
+own folder read-write (the only host place it may write), a private /tmp and home, a /proc of its
+own PID namespace (no other process of the machine: not a sibling run, not turnrl), no turnrl output
+folder and no sibling run folder. Its processes die with it: the sandbox's first process is the run's
+keeper, and when it ends the kernel kills everything in the namespace.
+
+The network (``env.sandbox.network``): "gateway" gives the run a network namespace of its own whose
+loopback has one listener, the keeper's bridge at the gateway's port, carried to the gateway's Unix
+socket bound into the sandbox: the agent reaches its gateway and nothing else (no other port, no
+other machine). "host" shares the machine's network.
+
+Limits, from the config, set before bubblewrap starts and inherited by every process: memory per
+process (RLIMIT_DATA), file size (RLIMIT_FSIZE), no core files, and processes: a pids cgroup per run
+where this machine lets turnrl make one (it holds for root too), else RLIMIT_NPROC (which the kernel
+does not apply to root: a warning says so). Wall time is ``env.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from turnrl.config import SandboxConfig
+from turnrl.harness.cgroup import PidsCgroup
+from turnrl.harness.runtime import Launch, keeper_argv
+from turnrl.tools.sandbox import SYSTEM_DIRS, SYSTEM_FILES
+
+log = logging.getLogger(__name__)
+ETC: tuple[str, ...] = ("/etc/passwd", "/etc/group", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl")
+ETC += (
+    "/etc/ca-certificates",
+    "/etc/alternatives",
+    "/etc/gitconfig",
+    "/etc/os-release",
+    "/etc/debian_version",
+)
+HOME = "/tmp/home"
+GATEWAY_SOCKET = "/run/turnrl/gateway.sock"
+PASSED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM")  # of turnrl's variables, all a run gets
+INSTALL = "apt-get install bubblewrap"
+NO_CAP = (
+    "env.sandbox: no pids cgroup here, and root is not held by RLIMIT_NPROC: runs' processes are not capped"
+)
+
+
+def bwrap_missing() -> str | None:
+    """Why harness runs cannot be sandboxed here (one line), or None."""
+    if sys.platform != "linux":
+        return f"env.sandbox: bubblewrap sandboxes need Linux, not {sys.platform}; set env.sandbox: none"
+    if shutil.which("bwrap") is None:
+        return f"env.sandbox: bubblewrap is not installed ({INSTALL}), or set env.sandbox: none"
+    return None
+
+
+class BubblewrapRuntime:
+    """Runs a harness run's commands in bubblewrap (see the module doc)."""
+
+    name = "bubblewrap"
+
+    def __init__(
+        self,
+        config: SandboxConfig,
+        visible: Sequence[str | Path] = (),
+        hidden: Sequence[str | Path] = (),
+        gateway: tuple[int, Path] | None = None,
+    ) -> None:
+        missing = bwrap_missing()
+        if missing:
+            raise RuntimeError(missing)
+        self.bwrap = shutil.which("bwrap") or "bwrap"
+        self.config = config
+        python = {sys.prefix, sys.base_prefix, os.path.realpath(sys.executable).rsplit("/bin/", 1)[0]}
+        package = str(Path(__file__).resolve().parents[1])  # turnrl itself (the keeper, the call runner)
+        paths = [*python, package, *map(str, visible), *config.read_only]
+        self.visible = sorted({os.path.realpath(p) for p in paths if os.path.exists(p)}, key=len)
+        self.hidden = [str(Path(p).resolve()) for p in hidden]
+        self.gateway = gateway  # the port agents call, and the gateway's Unix socket
+        self.root = os.geteuid() == 0
+        self._warned = False
+
+    def prepare(self, folder: Path) -> None:
+        """Nothing to change: the run's processes write as turnrl's user, in their folder only."""
+
+    def launch(
+        self,
+        argv: Sequence[str],
+        folder: Path,
+        env: dict[str, str],
+        read_only: Sequence[Path] = (),
+        gateway: bool = True,
+    ) -> Launch:
+        """``argv`` in ``folder`` inside a new sandbox (``gateway``: bridged to the run's gateway)."""
+        bridge = None
+        if gateway and self.gateway is not None and self.config.network == "gateway":
+            bridge = (self.gateway[0], GATEWAY_SOCKET)
+        cmd = [*self._mounts(folder, read_only, bridge is not None), "--", *keeper_argv(argv, bridge)]
+        cgroup = PidsCgroup.make(self.config.max_processes)
+        if cgroup is None and self.root and not self._warned:
+            self._warned = True
+            log.warning(NO_CAP)
+        limits = self.config
+        running = 0 if cgroup is not None else _tasks_of(os.getuid())
+
+        def preexec() -> None:
+            if cgroup is not None:
+                cgroup.join()
+            _set_limits(limits, running)
+
+        passed = {key: os.environ[key] for key in PASSED if key in os.environ}
+        variables = {**passed, "HOME": HOME, "TMPDIR": "/tmp", **env}
+        close = cgroup.close if cgroup is not None else (lambda: None)
+        return Launch(cmd, variables, folder, preexec, close=close, sandboxed=True)
+
+    def _mounts(self, folder: Path, read_only: Sequence[Path], bridged: bool) -> list[str]:
+        """bwrap's arguments: namespaces, then what the run sees (see the module doc)."""
+        cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        if self.config.network == "host":
+            cmd.append("--share-net")
+        for path in (*SYSTEM_DIRS, *SYSTEM_FILES, *ETC, *self.visible):
+            cmd += ["--ro-bind-try", path, path]
+        for path in self.hidden:  # turnrl's output and the runs' root, where a visible folder holds them
+            if any(path.startswith(v + "/") or path == v for v in self.visible):
+                cmd += ["--tmpfs", path]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]
+        cmd += ["--bind", str(folder), str(folder)]
+        for file in read_only:
+            cmd += ["--ro-bind", str(file), str(file)]
+        if bridged and self.gateway is not None:
+            cmd += ["--ro-bind", str(self.gateway[1]), GATEWAY_SOCKET]
+        return [*cmd, "--remount-ro", "/", "--chdir", str(folder)]
+
+
+def _tasks_of(uid: int) -> int:
+    """Processes and threads ``uid`` runs now: RLIMIT_NPROC counts them all, not only the run's."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry.name}/task"))
+            except OSError:
+                continue
+    return count
+
+
+def _set_limits(limits: SandboxConfig, running: int) -> None:
+    """In the child, before bwrap starts: the limits every process of the run inherits."""
+    mib = 1 << 20
+    resource.setrlimit(resource.RLIMIT_DATA, (limits.memory_mb * mib, limits.memory_mb * mib))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_size_mb * mib, limits.file_size_mb * mib))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    nproc = running + limits.max_processes + 4  # + bwrap's own
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
