@@ -172,7 +172,7 @@ def test_the_reward_runs_the_tasks_tests_in_the_runs_sandbox(
         if sample.id == "honest":
             return 1.0
         tests = result.run(
-            "cat escape.json && touch ran.txt && ls /proc | grep -c '^[0-9]' && touch ../out.txt"
+            f"cat escape.json; echo; touch ran.txt {tmp_path}/out.txt; ls /proc | grep -c '^[0-9]'"
         )
         seen.update(code=tests.exit_code, out=tests.stdout, folder=sorted(os.listdir(result.folder)))
         return float(tests.ok)
