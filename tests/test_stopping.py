@@ -90,3 +90,57 @@ def test_without_enforce_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not stopping._enforced
     handler = asyncio.run(command())
     assert not isinstance(handler, stopping._Bounded)
+
+
+BLOCKED = textwrap.dedent(
+    """
+    import asyncio, signal, sys, threading, time
+    from turnrl.cli import _on_sigterm
+    from turnrl.support import stopping
+
+    stopping.GRACE_S = 1.0
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    stopping.enforce()
+    other = threading.Thread(target=threading.Event().wait, daemon=True)  # a thread the kernel may pick
+    other.start()
+
+    @stopping.bounded_stops
+    async def command():
+        print(other.native_id, flush=True)
+        time.sleep(3600)  # an env step that blocks the event loop's thread
+
+    try:
+        asyncio.run(command())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    """
+)
+
+
+def test_a_sigterm_another_thread_got_stops_a_run_whose_loop_is_blocked() -> None:
+    """SIGTERM delivered to a thread other than the main one, whose thread blocks in ``time.sleep``
+    inside a coroutine: it is relayed to the main thread, and the stop is bounded (exit 130)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BLOCKED], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        other = int(proc.stdout.readline())
+        t0 = time.monotonic()
+        _tgkill(proc.pid, other, signal.SIGTERM)  # the kernel may give a process's signal to any thread
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 130, err
+    assert time.monotonic() - t0 < 15
+
+
+def _tgkill(tgid: int, tid: int, signum: int) -> None:
+    """Send ``signum`` to thread ``tid`` of process ``tgid`` (the tgkill system call)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    SYS_TGKILL = 234  # x86_64
+    assert libc.syscall(SYS_TGKILL, tgid, tid, signum) == 0, ctypes.get_errno()

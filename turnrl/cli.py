@@ -280,6 +280,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     and env workers are stopped, what finished stays on disk. It calls the SIGINT handler in place
     (asyncio's, which cancels the running command) rather than raising SIGINT, which a process
     started in the background of a script ignores."""
+    stopping.handled()
     handler = signal.getsignal(signal.SIGINT)
     if callable(handler):
         handler(signal.SIGINT, frame)

@@ -29,6 +29,8 @@ T = TypeVar("T")
 
 GRACE_S = 20.0  # after the signal, before it is repeated; as long again before the process exits
 _enforced = False  # only the CLI forces stops (a library user's process is theirs)
+_handled = 0.0  # when a stop signal's Python handler last ran (time.monotonic)
+RELAY_WAIT_S = 0.5  # a signal whose handler has not run this long after it arrived is sent again
 _hint: Callable[[], str | None] = lambda: None  # noqa: E731 - the command that continues the run
 
 
@@ -36,9 +38,45 @@ def enforce(hint: Callable[[], str | None] | None = None) -> None:
     """Force stops that do not finish (the CLI's processes; see the module); ``hint``: the command
     that continues the run, said when the process is made to exit."""
     global _enforced, _hint
+    if not _enforced and threading.current_thread() is threading.main_thread():
+        _relay_signals()
     _enforced = True
     if hint is not None:
         _hint = hint
+
+
+def handled() -> None:
+    """Say that a stop signal's handler ran (the relay then has nothing to send again)."""
+    global _handled
+    _handled = time.monotonic()
+
+
+def _relay_signals() -> None:
+    """Python runs a signal's handler in the main thread, at its next instruction; a signal the
+    kernel gave another thread (torch's, a server's) while the main thread blocks in a call that is
+    not interrupted (``time.sleep`` inside an ``async def``) is never handled. The relay reads the
+    signals off the interpreter's wakeup fd and, when a SIGTERM has not been handled shortly after
+    (the CLI's handler says ``handled``), sends it again to the main thread itself, whose blocking
+    call it interrupts."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: leave it
+        os.close(read)
+        os.close(write)
+        return
+    main = threading.main_thread().ident
+
+    def relay() -> None:
+        while data := os.read(read, 64):
+            arrived = time.monotonic()
+            if int(signal.SIGTERM) in data:
+                time.sleep(RELAY_WAIT_S)
+                if _handled < arrived and main is not None:
+                    signal.pthread_kill(main, signal.SIGTERM)
+
+    threading.Thread(target=relay, name="turnrl-signal-relay", daemon=True).start()
 
 
 class _Bounded:
@@ -49,6 +87,7 @@ class _Bounded:
         self.watching = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
+        handled()
         if not self.watching:
             self.watching = True
             threading.Thread(target=self._watch, name="turnrl-stop-watch", daemon=True).start()
