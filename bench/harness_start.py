@@ -6,6 +6,7 @@ started (user + system, from ``RUSAGE_CHILDREN``); the fork server's own start i
 (no run) and taken off. No model is involved: the agent makes no call.
 
     .venv/bin/python bench/harness_start.py [--runs 20]
+    .venv/bin/python bench/harness_start.py --sandbox   # wall per run, bubblewrap sandbox on and off
 """
 
 from __future__ import annotations
@@ -64,11 +65,36 @@ def processes(agent: Path, runs: int) -> float:
     return children_cpu() - before
 
 
+def launched(agent: Path, folder: Path, runs: int, sandboxed: bool) -> float:
+    """Wall seconds per run of ``agent`` as the harness launches it: under its keeper, in a bubblewrap
+    sandbox (``env.sandbox``'s defaults, bridged to a gateway socket) or not (``sandbox: none``)."""
+    from turnrl.config import SandboxConfig
+    from turnrl.harness.process import run_command
+    from turnrl.harness.runtime import LocalRuntime, Runtime
+    from turnrl.harness.sandbox import BubblewrapRuntime
+
+    work = folder / "work"
+    work.mkdir(exist_ok=True)
+    runtime: Runtime = LocalRuntime()
+    if sandboxed:
+        runtime = BubblewrapRuntime(SandboxConfig(), [folder], gateway=(8123, folder / "gateway.sock"))
+        (folder / "gateway.sock").touch()
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        result = run_command(runtime.launch([sys.executable, str(agent), "hi"], work, {}), 60)
+        assert result.ok, result.stderr
+    return (time.perf_counter() - t0) / runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sandbox", action="store_true", help="wall per run with the sandbox on and off")
     args = parser.parse_args()
+    if args.sandbox:
+        sandbox_rows(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         agent = folder / "agent.py"
@@ -85,6 +111,23 @@ def main() -> None:
         values.sort()
         every = ", ".join(f"{v * 1000:.0f}" for v in values)
         print(f"  {name:<12} {values[len(values) // 2] * 1000:7.1f} ms   (all: {every})")
+
+
+def sandbox_rows(args: argparse.Namespace) -> None:
+    """Wall time per run, sandbox on and off, side by side, for an empty agent and the SDK agent."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        agents = {"empty": folder / "empty.py", "openai SDK": folder / "agent.py"}
+        agents["empty"].write_text("print('done')\n")
+        agents["openai SDK"].write_text(AGENT)
+        print(f"wall per run (ms), median of {args.repeats} rounds of {args.runs} runs, one at a time:")
+        for name, agent in agents.items():
+            rows: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.repeats):
+                for sandboxed in (False, True):
+                    rows[sandboxed].append(launched(agent, folder, args.runs, sandboxed))
+            off, on = (sorted(rows[k])[len(rows[k]) // 2] * 1000 for k in (False, True))
+            print(f"  {name:<11} sandbox off {off:7.1f}   on {on:7.1f}   cost {on - off:+6.1f} ms")
 
 
 if __name__ == "__main__":

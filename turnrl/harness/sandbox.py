@@ -124,12 +124,12 @@ class BubblewrapRuntime:
         cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
         if self.config.network == "host":
             cmd.append("--share-net")
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]  # first: binds go over
         for path in (*SYSTEM_DIRS, *SYSTEM_FILES, *ETC, *self.visible):
             cmd += ["--ro-bind-try", path, path]
         for path in self.hidden:  # turnrl's output and the runs' root, where a visible folder holds them
             if any(path.startswith(v + "/") or path == v for v in self.visible):
                 cmd += ["--tmpfs", path]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]
         cmd += ["--bind", str(folder), str(folder)]
         for file in read_only:
             cmd += ["--ro-bind", str(file), str(file)]
