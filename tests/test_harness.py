@@ -326,8 +326,14 @@ def test_a_forked_run_sees_what_a_new_process_would(
     for name, preload in (("process", []), ("forked", ["openai", "noisy_module", *warm])):
         probe = tmp_path / f"{name}.json"
         env = {"PROBE_FILE": str(probe), "PROBE_VAR": name}
-        runner, engine = runner_for(
-            qwen3_tokenizer, tmp_path / name, ["Hi."], command=command, env=env, preload=preload
+        runner, engine = runner_for(  # unsandboxed both ways: the probe file is outside the folder
+            qwen3_tokenizer,
+            tmp_path / name,
+            ["Hi."],
+            command=command,
+            env=env,
+            preload=preload,
+            sandbox="none",
         )
         [traj] = run_once(runner)
         assert traj.stop_reason == StopReason.AGENT_DONE and traj.reward == 1.0, traj.error
@@ -506,7 +512,12 @@ def test_an_agent_given_as_a_python_callable_runs_in_a_process_of_its_own(
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}")
     runner, _ = runner_for(
-        qwen3_tokenizer, tmp_path, ["<answer>42</answer>"], command="test_harness:call_agent", preload=preload
+        qwen3_tokenizer,
+        tmp_path,
+        ["<answer>42</answer>"],
+        command="test_harness:call_agent",
+        preload=preload,
+        sandbox="none",  # PYTHONPATH and the answer outside the folder: unsandboxed, as with preload
     )
     [traj] = run_once(runner)
     assert traj.stop_reason == StopReason.AGENT_DONE and traj.reward == 1.0

@@ -102,6 +102,7 @@ def keep_forked(run: Callable[[], int]) -> None:
     become_subreaper()
     pid = os.fork()
     if pid == 0:
+        os.setsid()  # the agent leads its own session, as a new process would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os._exit(run())
     signal.signal(signal.SIGTERM, _on_term)
@@ -156,6 +157,7 @@ def main(args: list[str]) -> None:
     if pid == 0:
         if listener is not None:
             listener.close()
+        os.setsid()  # the agent leads its own session, as a new process would
         try:
             os.execvp(argv[0], argv)
         except OSError as exc:
