@@ -7,6 +7,7 @@ RLIMIT_NPROC."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 KILL_PASSES = 64
 
 
+@functools.cache
 def _pids_root() -> Path | None:
     """The folder of this process's own pids cgroup, v1 or v2 (None: no such hierarchy)."""
     try:

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from turnrl.harness.keeper import keep_forked
+from turnrl.harness.keeper import keep_forked, reaped
 
 
 def forkable(argv: list[str]) -> list[str] | None:
@@ -221,14 +221,8 @@ def _serve() -> dict[str, Any]:
 
 def _reap() -> None:
     """Report every run that has exited."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _say({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+    for pid, code in reaped():
+        _say({"pid": pid, "code": code})
 
 
 def _become(request: dict[str, Any]) -> None:

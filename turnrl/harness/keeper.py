@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 PR_SET_CHILD_SUBREAPER = 36
 PASSES = 64  # rounds of "kill every child, reap": each round takes the orphans of the last one
@@ -57,18 +57,20 @@ def kill_all() -> None:
         for pid in alive:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        _reap_all()
-    _reap_all()
+        list(reaped())
+    list(reaped())
 
 
-def _reap_all() -> None:
+def reaped() -> Iterator[tuple[int, int]]:
+    """Each child that has exited, reaped: its pid and exit code (``-N``: killed by signal N)."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        yield pid, os.waitstatus_to_exitcode(status)
 
 
 def wait_for(pid: int) -> int:

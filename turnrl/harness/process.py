@@ -144,7 +144,7 @@ async def run_agent(
     t0 = loop.time()
     out, err = logs.with_suffix(".stdout"), logs.with_suffix(".stderr")
     waited: Callable[[int], Awaitable[int]]
-    python = forkable(launch.argv[launch.argv.index("--") + 1 :]) if forks and not launch.sandboxed else None
+    python = forkable(launch.command) if forks and not launch.sandboxed else None
     try:
         if forks is not None and python is not None:
             out.write_bytes(b"")

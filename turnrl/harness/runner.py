@@ -96,6 +96,7 @@ class HarnessRunner:
                 config.sandbox, [*search_path(), *files], hidden=[out_dir, self.root]
             )
         self._serving: asyncio.Future[Served] | None = None  # the gateway's start, shared by every run
+        self._socket_dir: Path | None = None  # where the gateway's Unix socket is, for sandboxed runs
         self.forks = None
         if config.preload:  # its imports see the variables every run has (env.env's fixed ones)
             fixed = {key: value for key, value in config.env.items() if "{" not in value}
@@ -104,10 +105,11 @@ class HarnessRunner:
     async def url(self) -> str:
         """The gateway's base URL (started on first use: runs that ask at once share one start)."""
         if self._serving is None:
-            sandboxed = isinstance(self.runtime, BubblewrapRuntime)
-            self._serving = asyncio.ensure_future(
-                self._serve(self.root / ".gateway.sock" if sandboxed else None)
-            )
+            unix = None
+            if isinstance(self.runtime, BubblewrapRuntime):  # a short path: a socket's has at most 107 bytes
+                self._socket_dir = Path(tempfile.mkdtemp(prefix="turnrl-gw-"))
+                unix = self._socket_dir / "gateway.sock"
+            self._serving = asyncio.ensure_future(self._serve(unix))
         return (await asyncio.shield(self._serving)).url
 
     async def _serve(self, unix: Path | None) -> Served:
@@ -125,6 +127,8 @@ class HarnessRunner:
             served = await asyncio.gather(serving, return_exceptions=True)
             if isinstance(served[0], Served):
                 await served[0].close()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         if not self.config.keep_folders:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -164,7 +168,6 @@ class HarnessRunner:
         (run_dir / "sample.json").write_text(json.dumps(row, default=str), encoding="utf-8")
         if self.setup is not None:
             self.setup(sample, folder)
-        self.runtime.prepare(folder)
 
     def _environment(self, url: str, name: str, key: str, run_dir: Path, folder: Path) -> dict[str, str]:
         """``env.env`` (``{openai_base_url}``, ``{anthropic_base_url}``, ``{api_key}``, ``{folder}``

@@ -25,11 +25,11 @@ KEEPER = str(Path(__file__).with_name("keeper.py"))
 class Launch:
     """A command ready to start: what runs, with which variables, how it is limited, what to free."""
 
-    argv: list[str]
+    command: list[str]  # what was asked for (the agent's own argv)
+    argv: list[str]  # what starts: ``command`` wrapped by the runtime
     env: dict[str, str]
     cwd: Path
     preexec: Callable[[], None] | None = None  # in the child before exec: limits, a cgroup
-    user: int | None = None  # the uid to start as (None: turnrl's own)
     close: Callable[[], None] = field(default=lambda: None)  # after the run: kill what is left, free
     sandboxed: bool = False
 
@@ -38,9 +38,6 @@ class Runtime(Protocol):
     """Where a harness run's processes run."""
 
     name: str
-
-    def prepare(self, folder: Path) -> None:
-        """Make a prepared run folder the run's own (ownership, permissions)."""
 
     def launch(
         self,
@@ -60,9 +57,6 @@ class LocalRuntime:
 
     name = "none"
 
-    def prepare(self, folder: Path) -> None:
-        """Nothing to do: the run's processes are the user's."""
-
     def launch(
         self,
         argv: Sequence[str],
@@ -72,7 +66,7 @@ class LocalRuntime:
         gateway: bool = True,
     ) -> Launch:
         """``argv`` under the keeper, with turnrl's variables and ``env`` on top."""
-        return Launch(keeper_argv(argv), {**os.environ, **env}, folder)
+        return Launch(list(argv), keeper_argv(argv), {**os.environ, **env}, folder)
 
 
 def keeper_argv(argv: Sequence[str], bridge: tuple[int, str] | None = None) -> list[str]:

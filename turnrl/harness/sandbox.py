@@ -86,9 +86,6 @@ class BubblewrapRuntime:
         self.root = os.geteuid() == 0
         self._warned = False
 
-    def prepare(self, folder: Path) -> None:
-        """Nothing to change: the run's processes write as turnrl's user, in their folder only."""
-
     def launch(
         self,
         argv: Sequence[str],
@@ -117,7 +114,7 @@ class BubblewrapRuntime:
         passed = {key: os.environ[key] for key in PASSED if key in os.environ}
         variables = {**passed, "HOME": HOME, "TMPDIR": "/tmp", **env}
         close = cgroup.close if cgroup is not None else (lambda: None)
-        return Launch(cmd, variables, folder, preexec, close=close, sandboxed=True)
+        return Launch(list(argv), cmd, variables, folder, preexec, close=close, sandboxed=True)
 
     def _mounts(self, folder: Path, read_only: Sequence[Path], bridged: bool) -> list[str]:
         """bwrap's arguments: namespaces, then what the run sees (see the module doc)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,8 +58,7 @@ async def serve(gateway: Gateway, host: str = "127.0.0.1", unix: Path | None = N
     sockets = [listening]
     if unix is not None:
         at_unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        at_unix.bind(str(unix))
-        os.chmod(unix, 0o666)  # a sandbox's user may connect; its folder keeps others from finding it
+        at_unix.bind(str(unix))  # in a folder of turnrl's own: no other user finds it
         at_unix.listen(128)
         sockets.append(at_unix)
     task = asyncio.create_task(server.serve(sockets=sockets))
