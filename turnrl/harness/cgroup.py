@@ -45,7 +45,8 @@ def _pids_root() -> Path | None:
 
 
 class PidsCgroup:
-    """One run's pids cgroup: processes move in with ``join`` (in the child, before exec)."""
+    """One run's pids cgroup: the run's keeper moves in by writing ``0`` to ``procs`` (bound into its
+    sandbox) before the agent starts."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -69,11 +70,6 @@ class PidsCgroup:
                 path.rmdir()
             return None
         return cls(path)
-
-    def join(self) -> None:
-        """Move the calling process in (run in a child between fork and exec: no imports)."""
-        with open(self.procs, "w") as f:
-            f.write("0")
 
     def pids(self) -> list[int]:
         """The processes in it now."""

@@ -198,7 +198,6 @@ def run_command(launch: Launch, timeout: float) -> CommandResult:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
-        preexec_fn=launch.preexec,
     )
     timed_out = False
     try:
@@ -226,7 +225,6 @@ async def _start(launch: Launch, out: Path, err: Path) -> tuple[int, Callable[[i
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,  # its own process group: killed whole
-            preexec_fn=launch.preexec,
         )
 
     async def wait(_: int) -> int:

@@ -29,7 +29,6 @@ class Launch:
     argv: list[str]  # what starts: ``command`` wrapped by the runtime
     env: dict[str, str]
     cwd: Path
-    preexec: Callable[[], None] | None = None  # in the child before exec: limits, a cgroup
     close: Callable[[], None] = field(default=lambda: None)  # after the run: kill what is left, free
     sandboxed: bool = False
 
@@ -69,7 +68,7 @@ class LocalRuntime:
         return Launch(list(argv), keeper_argv(argv), {**os.environ, **env}, folder)
 
 
-def keeper_argv(argv: Sequence[str], bridge: tuple[int, str] | None = None) -> list[str]:
-    """``argv`` run by the keeper (``python -I -S``: no site-packages, a fast start)."""
-    bridged = ["--bridge", str(bridge[0]), bridge[1]] if bridge else []
-    return [sys.executable, "-I", "-S", KEEPER, *bridged, "--", *argv]
+def keeper_argv(argv: Sequence[str], options: Sequence[str] = ()) -> list[str]:
+    """``argv`` run by the keeper (``python -I -S``: no site-packages, a fast start), with its
+    ``options`` (``--bridge``, ``--cgroup``, ``--limit``: see ``turnrl.harness.keeper``)."""
+    return [sys.executable, "-I", "-S", KEEPER, *options, "--", *argv]
