@@ -98,7 +98,7 @@ class BubblewrapRuntime:
         gateway: bool = True,
     ) -> Launch:
         """``argv`` in ``folder`` inside a new sandbox (``gateway``: bridged to the run's gateway)."""
-        bridged = gateway and self.gateway is not None and self.config.network == "gateway"
+        bridge = self.gateway if gateway and self.config.network == "gateway" else None
         cgroup = PidsCgroup.make(self.config.max_processes)
         if cgroup is None and self.root and not self._warned:
             self._warned = True
@@ -106,9 +106,9 @@ class BubblewrapRuntime:
         options = [*self._limits(cgroup is None)]
         if cgroup is not None:
             options += ["--cgroup", CGROUP_PROCS]
-        if bridged and self.gateway is not None:
-            options += ["--bridge", str(self.gateway[0]), GATEWAY_SOCKET]
-        mounts = self._mounts(folder, read_only, bridged, cgroup)
+        if bridge is not None:
+            options += ["--bridge", str(bridge[0]), GATEWAY_SOCKET]
+        mounts = self._mounts(folder, read_only, bridge, cgroup)
         passed = {key: os.environ[key] for key in PASSED if key in os.environ}
         variables = {**passed, "HOME": HOME, "TMPDIR": "/tmp", **env}
         close = cgroup.close if cgroup is not None else (lambda: None)
@@ -126,7 +126,11 @@ class BubblewrapRuntime:
         return [arg for name, value in limits.items() for arg in ("--limit", f"{name}={value}")]
 
     def _mounts(
-        self, folder: Path, read_only: Sequence[Path], bridged: bool, cgroup: PidsCgroup | None
+        self,
+        folder: Path,
+        read_only: Sequence[Path],
+        bridge: tuple[int, Path] | None,
+        cgroup: PidsCgroup | None,
     ) -> list[str]:
         """bwrap's arguments: namespaces, then what the run sees (see the module doc)."""
         cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
@@ -141,8 +145,8 @@ class BubblewrapRuntime:
         cmd += ["--bind", str(folder), str(folder)]
         for file in read_only:
             cmd += ["--ro-bind", str(file), str(file)]
-        if bridged and self.gateway is not None:
-            cmd += ["--ro-bind", str(self.gateway[1]), GATEWAY_SOCKET]
+        if bridge is not None:
+            cmd += ["--ro-bind", str(bridge[1]), GATEWAY_SOCKET]
         if cgroup is not None:  # the keeper joins it before the agent starts
             cmd += ["--bind", cgroup.procs, CGROUP_PROCS]
         return [*cmd, "--remount-ro", "/", "--chdir", str(folder)]
