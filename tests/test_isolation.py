@@ -135,7 +135,7 @@ def test_nothing_the_agent_started_outlives_its_run(
 
 
 def test_a_fork_bomb_ends_at_its_timeout_and_leaves_nothing(qwen3_tokenizer: Any, tmp_path: Path) -> None:
-    _, _, [traj], marker = batch(qwen3_tokenizer, tmp_path, "fork_bomb", timeout_s=8)
+    _, _, [traj], marker = batch(qwen3_tokenizer, tmp_path, "fork_bomb", timeout_s=15)
     assert traj.stop_reason in (StopReason.AGENT_TIMEOUT, StopReason.AGENT_ERROR)
     assert leftovers(marker) == []
 

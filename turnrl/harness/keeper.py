@@ -8,8 +8,8 @@ once. Inside a sandbox it also bridges the gateway: it listens on ``127.0.0.1:PO
 own network, where the agent's client connects, and carries each connection to the gateway's Unix
 socket bound into the sandbox; nothing else is reachable.
 
-``python -I -S keeper.py [--bridge PORT SOCKET] [--cgroup PROCS] [--limit NAME=N]... -- ARGV...``
-(``--cgroup``: the run's ``cgroup.procs`` to join; ``--limit DATA=BYTES``: an ``RLIMIT_*`` to set,
+``python -I -S keeper.py [--bridge PORT SOCKET] [--cgroup PROCS]... [--limit NAME=N]... -- ARGV...``
+(``--cgroup``: a ``cgroup.procs`` of the run to join; ``--limit DATA=BYTES``: an ``RLIMIT_*`` to set,
 both before the agent starts): standard library only (it runs with no
 site-packages, in a fraction of the time an import of turnrl takes). Its exit status is the agent's
 (a signal N as 128 + N, as a shell reports it). ``keep_forked`` is the same keeper for a run forked
@@ -150,12 +150,12 @@ def listen(port: int) -> socket.socket:
     return listener
 
 
-def confine(cgroup: str | None, limits: dict[str, int]) -> None:
-    """Move this process into the run's cgroup (its ``cgroup.procs``) and set its resource limits:
+def confine(cgroups: list[str], limits: dict[str, int]) -> None:
+    """Move this process into the run's cgroups (their ``cgroup.procs``) and set its resource limits:
     what it starts inherits both. Done here, inside the sandbox, rather than between fork and exec
     in turnrl, which would make every spawn copy the trainer's page tables (a fork, not a vfork)."""
-    if cgroup is not None:
-        with open(cgroup, "w") as f:
+    for procs in cgroups:
+        with open(procs, "w") as f:
             f.write("0")
     for name, value in limits.items():
         which = getattr(resource, f"RLIMIT_{name}")
@@ -164,12 +164,15 @@ def confine(cgroup: str | None, limits: dict[str, int]) -> None:
 
 def main(args: list[str]) -> None:
     """Confine and bridge (as asked), start ``ARGV`` and keep it."""
-    bridge, cgroup, limits = None, None, {}
+    bridge: tuple[int, str] | None = None
+    cgroups: list[str] = []
+    limits: dict[str, int] = {}
     while args and args[0] != "--":
         if args[0] == "--bridge":
             bridge, args = (int(args[1]), args[2]), args[3:]
         elif args[0] == "--cgroup":
-            cgroup, args = args[1], args[2:]
+            cgroups.append(args[1])
+            args = args[2:]
         elif args[0] == "--limit":
             name, _, value = args[1].partition("=")
             limits[name] = int(value)
@@ -177,7 +180,7 @@ def main(args: list[str]) -> None:
         else:
             raise SystemExit(f"keeper: unknown option {args[0]!r}")
     argv = args[1:]
-    confine(cgroup, limits)
+    confine(cgroups, limits)
     become_subreaper()
     listener = listen(bridge[0]) if bridge else None  # before the agent starts: no race
     pid = os.fork()

@@ -15,10 +15,12 @@ other machine). "host" shares the machine's network.
 Limits, from the config, set by the run's keeper inside the sandbox before the agent starts, and
 inherited by every process: memory per process (RLIMIT_DATA), file size (RLIMIT_FSIZE), no core
 files, and processes: a pids cgroup per run where this machine lets turnrl make one (it holds for
-root too; its ``cgroup.procs`` is bound into the sandbox for the keeper to join), else RLIMIT_NPROC
-(which the kernel does not apply to root: a warning says so). Wall time is ``env.timeout_s``. Nothing
-runs between fork and exec in turnrl's process, so a spawn stays a vfork: a fork of a trainer
-holding a model would copy its page tables (~0.4 s for 1.5 GB, measured).
+root too), else RLIMIT_NPROC (which the kernel does not apply to root: a warning says so). CPU: a cpu
+cgroup per run where the machine has one, at the default share: a run's processes together weigh as
+one process, so a fork bomb slows its own run, not its siblings (``turnrl.harness.cgroup``). Each
+cgroup's ``cgroup.procs`` is bound into the sandbox for the keeper to join. Wall time is
+``env.timeout_s``. Nothing runs between fork and exec in turnrl's process, so a spawn stays a vfork:
+a fork of a trainer holding a model would copy its page tables (~0.4 s for 1.5 GB, measured).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from turnrl.config import SandboxConfig
-from turnrl.harness.cgroup import PidsCgroup
+from turnrl.harness.cgroup import RunCgroup
 from turnrl.harness.runtime import Launch, keeper_argv
 from turnrl.tools.sandbox import SYSTEM_DIRS, SYSTEM_FILES
 
@@ -45,8 +47,9 @@ ETC += (
     "/etc/debian_version",
 )
 HOME = "/tmp/home"
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 GATEWAY_SOCKET = "/run/turnrl/gateway.sock"
-CGROUP_PROCS = "/run/turnrl/cgroup.procs"
+CGROUP_PROCS = "/run/turnrl/cgroup-{}.procs"
 PASSED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM")  # of turnrl's variables, all a run gets
 INSTALL = "apt-get install bubblewrap"
 NO_CAP = (
@@ -99,17 +102,21 @@ class BubblewrapRuntime:
     ) -> Launch:
         """``argv`` in ``folder`` inside a new sandbox (``gateway``: bridged to the run's gateway)."""
         bridge = self.gateway if gateway and self.config.network == "gateway" else None
-        cgroup = PidsCgroup.make(self.config.max_processes)
-        if cgroup is None and self.root and not self._warned:
+        cgroup = RunCgroup.make(self.config.max_processes)
+        capped = cgroup is not None and cgroup.limited
+        if not capped and self.root and not self._warned:
             self._warned = True
             log.warning(NO_CAP)
-        options = [*self._limits(cgroup is None)]
-        if cgroup is not None:
-            options += ["--cgroup", CGROUP_PROCS]
+        options = [*self._limits(not capped)]
+        for i in range(len(cgroup.procs) if cgroup is not None else 0):
+            options += ["--cgroup", CGROUP_PROCS.format(i)]
         if bridge is not None:
             options += ["--bridge", str(bridge[0]), GATEWAY_SOCKET]
         mounts = self._mounts(folder, read_only, bridge, cgroup)
         passed = {key: os.environ[key] for key in PASSED if key in os.environ}
+        # this environment's programs first: `python` in what the agent runs is turnrl's interpreter
+        # (a python of the user's home, a pyenv shim say, is not in the sandbox)
+        passed["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), passed.get("PATH", DEFAULT_PATH)])
         variables = {**passed, "HOME": HOME, "TMPDIR": "/tmp", **env}
         close = cgroup.close if cgroup is not None else (lambda: None)
         argv_in = [*mounts, "--", *keeper_argv(argv, options)]
@@ -130,7 +137,7 @@ class BubblewrapRuntime:
         folder: Path,
         read_only: Sequence[Path],
         bridge: tuple[int, Path] | None,
-        cgroup: PidsCgroup | None,
+        cgroup: RunCgroup | None,
     ) -> list[str]:
         """bwrap's arguments: namespaces, then what the run sees (see the module doc)."""
         cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
@@ -147,8 +154,8 @@ class BubblewrapRuntime:
             cmd += ["--ro-bind", str(file), str(file)]
         if bridge is not None:
             cmd += ["--ro-bind", str(bridge[1]), GATEWAY_SOCKET]
-        if cgroup is not None:  # the keeper joins it before the agent starts
-            cmd += ["--bind", cgroup.procs, CGROUP_PROCS]
+        for i, procs in enumerate(cgroup.procs if cgroup is not None else ()):
+            cmd += ["--bind", procs, CGROUP_PROCS.format(i)]  # the keeper joins before the agent starts
         return [*cmd, "--remount-ro", "/", "--chdir", str(folder)]
 
 
