@@ -5,16 +5,18 @@ code. Both sides roll out the same prompts with the same engine (the embedded on
 group size, through ``turnrl.rollout.collector.collect``:
 - env: ``KeyLookupEnv``, turn by turn in turnrl's loop;
 - harness: ``examples/harness/lookup_agent.py`` (the plain openai SDK), one process per group
-  member in its own folder, its calls served by the harness's gateway on loopback;
-- forked: the same with ``env.preload: [openai, "turnrl.harness.warm:openai"]``, each run forked
-  from a process that imported the SDK once and made a client.
+  member in its own folder and its own bubblewrap sandbox (the default), its calls served by the
+  harness's gateway;
+- bare: the same with ``env.sandbox: none`` (plain processes of the user);
+- forked: the same unsandboxed with ``env.preload: [openai, "turnrl.harness.warm:openai"]``, each run
+  forked from a process that imported the SDK once and made a client.
 Throughput is sampled tokens per wall second (and trajectories per second); the two alternate,
 ``--repeats`` times each, and the ratio is of medians. Use a model that calls the tool (the
 warm-started checkpoint of ``examples/harness/train_lookup.yaml``) for two-turn episodes. With
 ``--engine vllm`` a vLLM server that turnrl starts (scripts/install_vllm.sh) serves every side.
 
     .venv/bin/python bench/harness_vs_env.py [--model smollm2-135m] [--prompts 8] [--group 4]
-        [--engine hf|vllm] [--sides env,harness,forked]
+        [--engine hf|vllm] [--sides env,harness,bare,forked]
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ async def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
-    parser.add_argument("--sides", default="env,harness,forked", help="which sides to run, comma-separated")
+    parser.add_argument("--sides", default="env,harness,bare,forked", help="which sides to run, comma-separated")
     args = parser.parse_args()
     add_search_path(ROOT / "examples" / "harness")
     if args.engine == "vllm":
@@ -85,11 +87,14 @@ async def main() -> None:
     )
     out = Path(tempfile.mkdtemp(prefix="turnrl-bench-"))
     runner = HarnessRunner(harness, engine, encoder, get_parser("hermes"), args.model, out)
-    preloaded = harness.model_copy(update={"preload": ["openai", "turnrl.harness.warm:openai"]})
+    bare = harness.model_copy(update={"sandbox": "none"})
+    unsandboxed = HarnessRunner(bare, engine, encoder, get_parser("hermes"), args.model, out / "bare")
+    preloaded = bare.model_copy(update={"preload": ["openai", "turnrl.harness.warm:openai"]})
     forked = HarnessRunner(preloaded, engine, encoder, get_parser("hermes"), args.model, out / "forked")
     every = {
         "env": spec,
         "harness": dataclasses.replace(spec, runner=runner),
+        "bare": dataclasses.replace(spec, runner=unsandboxed),
         "forked": dataclasses.replace(spec, runner=forked),
     }
     sides = {name: every[name] for name in args.sides.split(",")}
@@ -108,8 +113,8 @@ async def main() -> None:
             )
             if repeat:
                 rates[name].append(tokens(trajs) / wall)
-    await runner.close()
-    await forked.close()
+    for each in (runner, unsandboxed, forked):
+        await each.close()
     await engine.close()
     env = statistics.median(rates["env"])
     where = f"{args.model} on {'a vLLM server' if args.engine == 'vllm' else 'the embedded engine'}"

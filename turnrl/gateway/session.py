@@ -40,12 +40,20 @@ class Reason(StrEnum):
     """Why a call starts a new branch instead of extending one."""
 
     FIRST = "first"  # the session's first call
+    # The rule, in order, against the branch whose messages the call shares most (its parent):
+    # other tools, or both start with a system prompt and they differ: subagent; the call repeats a
+    # request of the parent: retry (a strict prefix of one: truncation); the conversation after the
+    # system prompt (kept, changed or dropped) starts differently: compaction when the request is
+    # shorter than what the parent's model saw (a summary), else subagent; a run of turns replaced
+    # by a message of another kind: compaction; anything else: edit.
     RETRY = "retry"  # a request sent before, again (what followed it is left on the parent)
     COMPACTION = "compaction"  # the history was rewritten shorter (summarized, compacted)
     TRUNCATION = "truncation"  # the history was cut back to a prefix of what the model saw
     EDIT = "edit"  # a message the model saw was edited
-    SUBAGENT = "subagent"  # a different system prompt or other tools: another agent's conversation
-    CUT_REPLY = "cut_reply"  # the last reply was cut at max_tokens, so nothing can follow it exactly
+    SUBAGENT = "subagent"  # another system prompt, other tools or another conversation: another agent's
+    # the call continues a reply that did not end (aborted mid-generation, or recorded before cut
+    # replies continued), so nothing can follow it exactly; a reply cut at max_tokens continues
+    CUT_REPLY = "cut_reply"
     SAMPLE = "sample"  # another of the n replies one request asked for (same prompt, its own sample)
 
 
@@ -58,8 +66,10 @@ class Checkpoint:
     prompt_record_messages: int  # the record's messages at that point
     reply_end: int  # tokens up to the end of the reply
     reply_record_messages: int
-    open: bool  # the reply ended on the template's end of turn
-    last_token_text: str | None  # the reply's last token, as text
+    # a continuation appends: the reply ended on the template's end of turn, or was cut at max_tokens
+    # (the next call's delta then starts with the template's whole end of turn); not after an abort
+    open: bool
+    last_token_text: str | None  # the reply's last token, as text (None after a cut)
 
 
 @dataclass
@@ -85,7 +95,7 @@ class Branch:
 
     @property
     def open(self) -> bool:
-        """Whether a continuation appends: the last reply ended on the template's end of turn."""
+        """Whether a continuation appends (``Checkpoint.open``)."""
         return bool(self.checkpoints) and self.checkpoints[-1].open
 
     def extends(self, messages: list[dict[str, Any]], tools_key: str) -> bool:
@@ -273,17 +283,19 @@ class Session:
             return None, Reason.FIRST
         parent = source or max(self.branches, key=lambda b: (first_difference(messages, b.seen), b.index))
         seen, n = parent.seen, first_difference(messages, parent.seen)
-        if key_of_tools != parent.tools_key or (messages and seen and key(messages[0]) != key(seen[0])):
+        if key_of_tools != parent.tools_key or _other_system(messages, seen):
             return parent.index, Reason.SUBAGENT
         if n == len(seen) and len(messages) > n:
             return parent.index, Reason.CUT_REPLY
         if n == len(messages):
             retry = any(p.request_messages == n for p in parent.checkpoints)
             return parent.index, Reason.RETRY if retry else Reason.TRUNCATION
-        # a summary replaces the conversation's start, or a run of turns with a message of another kind
-        start = next((i for i, m in enumerate(seen) if m.get("role") not in ("system", "developer")), 0)
+        start = min(_conversation_start(seen), _conversation_start(messages))
+        if n <= start:  # the conversation's start replaced: shorter is a summary, else another agent's
+            return parent.index, Reason.COMPACTION if _size(messages) < _size(seen) else Reason.SUBAGENT
+        # a run of turns replaced by a message of another kind (a summary in their place)
         replaced = len(seen) - len(messages) >= 2 and messages[n].get("role") != seen[n].get("role")
-        return parent.index, Reason.COMPACTION if n <= start or replaced else Reason.EDIT
+        return parent.index, Reason.COMPACTION if replaced else Reason.EDIT
 
     def commit(self, plan: Plan, gen: Generation, seconds: float, versions: list[int]) -> Reply:
         """Append the planned tokens and the sampled reply to the branch (a new one joins the session)."""
@@ -295,9 +307,14 @@ class Session:
             record.add_env(plan.added, branch.conv.template.decode(plan.added.ids), 0.0, 0)
         prompt_end, prompt_messages = len(record.sequence), len(record.messages)
         text, last = branch.conv.assistant_text(gen.token_ids)
+        # a reply cut at max_tokens is closed by the template's end of turn, as environment tokens
+        # of the next call's delta: what follows it stays exact (see Checkpoint.open)
+        cut = gen.finish_reason == "length"
+        last = None if cut else last
         branch.episode.last_token_text = last
         reply = self._reply(text, gen, branch)
         record.add_model(gen, text, seconds, versions)
+        record.turns[-1].info["call"] = self.calls  # its place among the session's calls
         record.messages.append(sampled_message(text, reply.parsed.calls, reply.call_ids))
         branch.episode.timings["time/generate"] += seconds
         branch.episode.stop = StopReason.LENGTH if gen.finish_reason == "length" else StopReason.ENV_DONE
@@ -309,7 +326,7 @@ class Session:
                 prompt_messages,
                 len(record.sequence),
                 len(record.messages),
-                gen.finish_reason == "stop",
+                gen.finish_reason in ("stop", "length"),
                 last,
             )
         )
@@ -325,6 +342,25 @@ class Session:
         finish = "tool_calls" if parsed.calls and gen.finish_reason == "stop" else str(gen.finish_reason)
         message = reply_message(parsed.content, parsed.reasoning.strip(), parsed.calls, ids)
         return Reply(text, parsed, ids, finish, message)
+
+
+SYSTEM_ROLES = ("system", "developer")
+
+
+def _conversation_start(messages: list[dict[str, Any]]) -> int:
+    """The index of the first message after the leading system prompt(s)."""
+    return next((i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), len(messages))
+
+
+def _other_system(messages: list[dict[str, Any]], seen: list[dict[str, Any]]) -> bool:
+    """Whether both start with a system prompt and the two differ (another agent's instructions)."""
+    ours, theirs = messages[: _conversation_start(messages)], seen[: _conversation_start(seen)]
+    return bool(ours and theirs) and [key(m) for m in ours] != [key(m) for m in theirs]
+
+
+def _size(messages: list[dict[str, Any]]) -> int:
+    """The length of the messages' contents, as JSON (what a summary makes shorter)."""
+    return sum(len(json.dumps(m.get("content"), default=str)) for m in messages)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

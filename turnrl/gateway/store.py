@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.chat.encoder import Encoded
+from turnrl.gateway.forest import train_once
 from turnrl.gateway.session import Plan, Reply, copy_record
 from turnrl.rollout.collector import JsonlWriter
 from turnrl.rollout.episode import Episode
@@ -134,10 +135,14 @@ def read_calls(path: Path) -> Iterator[dict[str, Any]]:
                 continue
 
 
-def read_branches(path: Path) -> list[Trajectory]:
-    """Every branch of every session in ``path`` as a trajectory, in the order branches started."""
+def read_branches(path: Path, self_contained: bool = False) -> list[Trajectory]:
+    """Every branch of every session in ``path`` as a trajectory, in the order branches started,
+    ready to train: each sampled token in one branch's loss, unchosen replies in none
+    (``turnrl.gateway.forest``). ``self_contained``: every branch keeps the loss mask of all it
+    holds, as recorded (a forked branch trains its trunk again)."""
     episodes: dict[tuple[str, int], Episode] = {}
     links: dict[tuple[str, int], dict[str, Any]] = {}
+    calls: dict[str, int] = {}  # per session, calls so far (the file is in the order they completed)
     for call in read_calls(path):
         where = (call["session"], call["branch"])
         if where not in episodes:
@@ -152,6 +157,8 @@ def read_branches(path: Path) -> list[Trajectory]:
             episode.record.add_env(Encoded(call["added_ids"], messages, images), "", 0.0, 0)
         gen = Generation(call["ids"], call["logprobs"], call["finish_reason"], None, call["versions"])
         episode.record.add_model(gen, call["text"], 0.0, call["versions"])
+        episode.record.turns[-1].info["call"] = calls.get(call["session"], 0)
+        calls[call["session"]] = calls.get(call["session"], 0) + 1
         episode.record.messages.append(call["sampled_message"])
         episode.stop = StopReason.LENGTH if call["finish_reason"] == "length" else StopReason.ENV_DONE
     out = []
@@ -159,6 +166,8 @@ def read_branches(path: Path) -> list[Trajectory]:
         traj = episode.trajectory()
         traj.info |= {"session": session, "branch": index, **links[(session, index)]}
         out.append(traj)
+    if not self_contained:
+        train_once(out)
     return out
 
 

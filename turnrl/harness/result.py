@@ -53,7 +53,16 @@ class RewardError(ValueError):
     """The reward raised, or returned something that is not a score."""
 
 
-def branch_rewards(fn: RewardFn, sample: Sample, result: HarnessResult) -> list[float] | None:
+@dataclass(frozen=True)
+class Scores:
+    """What the reward gave: a value per branch, and whether it scored branches one by one (a list)
+    rather than the run (one number for all)."""
+
+    values: list[float]
+    per_branch: bool
+
+
+def branch_rewards(fn: RewardFn, sample: Sample, result: HarnessResult) -> Scores | None:
     """Per branch, its reward: ``fn``'s float for every branch, its list (one per branch), or None
     (the run is left out). ``RewardError`` says in one line what was wrong."""
     try:
@@ -69,4 +78,4 @@ def branch_rewards(fn: RewardFn, sample: Sample, result: HarnessResult) -> list[
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
             raise RewardError(f"the reward returned {v!r}: a finite number is needed")
-    return [float(v) for v in values]
+    return Scores([float(v) for v in values], isinstance(value, list | tuple))

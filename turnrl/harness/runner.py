@@ -12,7 +12,9 @@ non-zero exit, an agent that never called; ``agent_timeout``; ``token_budget`` w
 call budget ran out), its own reward, and ``info["run_reward"]`` for the group's baseline, which is
 over runs, not branches. A failed run is not scored: its branches keep reward 0 with the failure as
 their stop reason, and training leaves them out. Branches not to train (``reinforce``,
-``skip_system``, a reward of None) say why in ``info["exclude"]``.
+``skip_system``, a reward of None) say why in ``info["exclude"]``. Each token the run sampled is
+then in exactly one branch's loss, and replies the agent did not go on from in none
+(``turnrl.gateway.forest``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import HarnessConfig
 from turnrl.gateway.config import GatewayConfig
+from turnrl.gateway.forest import train_once
 from turnrl.gateway.server import Gateway
 from turnrl.harness.forkserver import ForkServer
 from turnrl.harness.process import CommandResult, Exit, argv_for, run_agent, run_command
@@ -212,11 +215,13 @@ class HarnessRunner:
         for traj in branches:
             traj.stop_reason, traj.error = stop, error
             traj.info["run"] = run_info
+        per_branch = False
         if stop in (StopReason.AGENT_DONE, StopReason.TOKEN_BUDGET):
-            await self._reward(sample, result)
+            per_branch = await self._reward(sample, result)
         if result.commands:
             run_info["commands"] = result.commands
         self._select(branches)
+        train_once(branches, credit_unchosen=per_branch)
         return branches
 
     def _command(self, argv: list[str], folder: Path, run_dir: Path, timeout: float) -> CommandResult:
@@ -225,24 +230,25 @@ class HarnessRunner:
         launch = self.runtime.launch(argv, folder, variables, [run_dir / "sample.json"], gateway=False)
         return run_command(launch, timeout)
 
-    async def _reward(self, sample: Sample, result: HarnessResult) -> None:
+    async def _reward(self, sample: Sample, result: HarnessResult) -> bool:
         """Score the branches with the user's reward, in a thread (it may run the task's tests); a
         raise or a bad value ends them as internal_error (a bug in a hook), a None leaves them out
-        of training."""
+        of training. Whether the reward scored branches one by one."""
         try:
-            rewards = await asyncio.to_thread(branch_rewards, self.reward, sample, result)
+            scores = await asyncio.to_thread(branch_rewards, self.reward, sample, result)
         except RewardError as exc:
             for traj in result.branches:
                 traj.stop_reason, traj.error = StopReason.INTERNAL_ERROR, f"env.reward: {exc}"
-            return
-        if rewards is None:
+            return False
+        if scores is None:
             for traj in result.branches:
                 traj.info["exclude"] = "reward_none"
-            return
-        run_reward = statistics.fmean(rewards)
-        for traj, reward in zip(result.branches, rewards, strict=True):
+            return False
+        run_reward = statistics.fmean(scores.values)
+        for traj, reward in zip(result.branches, scores.values, strict=True):
             traj.reward = reward
             traj.info["run_reward"] = run_reward
+        return scores.per_branch
 
     def _select(self, branches: list[Trajectory]) -> None:
         """Mark the branches not to train: all but the last with ``reinforce: last``, and those whose

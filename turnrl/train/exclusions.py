@@ -40,9 +40,15 @@ def exclusion_metrics(
     excluded: Counter[str],
 ) -> dict[str, float]:
     """``train/excluded/<reason>`` per left-out trajectory kind, trajectories without a model token,
-    samples and groups whose advantages are all zero."""
+    samples and groups whose advantages are all zero; for agent sessions, the unchosen replies'
+    tokens and the sampled tokens a branch holds but another trains (``train/trunk_tokens``)."""
     out: dict[str, float] = {f"train/excluded/{reason}": n for reason, n in sorted(excluded.items())}
     out["train/excluded/no_model_tokens"] = sum(1 for t in trajs if not (t.prompt_ids and any(t.loss_mask)))
+    # an agent session's branches (turnrl.gateway.forest): replies not credited, trunks trained once
+    forests = [t.info["forest"] for t in trajs if "forest" in t.info]
+    if forests:
+        out["train/excluded/unchosen_tokens"] = sum(f["unchosen"] for f in forests)
+        out["train/trunk_tokens"] = sum(f["trunk"] for f in forests)
     out["train/zero_advantage_samples"] = sum(1 for s in samples if not any(s.advantages))
     flat = [all(v == 0 for v in turn_advantages) for turn_advantages in advantages]
     members = groups(trajs).values()
