@@ -58,7 +58,7 @@ async def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
-    parser.add_argument("--sides", default="env,harness,bare,forked", help="which sides to run, comma-separated")
+    parser.add_argument("--sides", default="env,harness,bare,forked", help="sides to run, comma-separated")
     args = parser.parse_args()
     add_search_path(ROOT / "examples" / "harness")
     if args.engine == "vllm":

@@ -187,6 +187,7 @@ def test_an_openai_sdk_agent_is_one_exact_branch_scored_by_its_reward(
     assert traj.reward == 1.0  # the agent looked alpha up in its folder's codes.json and wrote 42
     assert (traj.id, traj.group_id, traj.sample_index) == ("q1/0", "q1", 0)
     assert traj.info["reason"] == "first" and traj.info["run"]["calls"] == 2
+    assert traj.info["num_tool_calls"] == 1  # counted as an env's tool calls are (summary, step)
     assert_exact(traj, engine.seen)  # trained tokens are exactly what the engine conditioned on
     assert traj.messages[-2]["role"] == "tool" and traj.messages[-2]["content"] == "42"
     assert not list(tmp_path.iterdir()) or not any(tmp_path.rglob("answer.txt"))  # folders removed
@@ -584,6 +585,24 @@ def test_grpo_and_rloo_baselines_are_over_runs_not_branches() -> None:
     assert got == [[0.75], [0.75], [0.75], [-0.75], [0.0]]  # R - mean of the other runs
 
 
+def test_the_numbers_a_user_reads_count_runs_with_their_branches_beside() -> None:
+    from turnrl.rollout.metrics import summarize
+    from turnrl.train.metrics import _console_line, rollout_metrics
+
+    # run 0 left 3 branches (run reward 1), run 1 one (0.5), run 2 failed (its one branch, 0)
+    trajs = [branch("g", 0, 1.0, 1.0, k) for k in range(3)] + [branch("g", 1, 0.5, 0.5)]
+    failed = branch("g", 2, 0.0, 0.0)
+    failed.stop_reason = StopReason.AGENT_ERROR
+    trajs.append(failed)
+    step = rollout_metrics(trajs)
+    assert (step["runs"], step["branches"]) == (3, 5)
+    assert step["reward/mean"] == 0.5  # (1 + 0.5 + 0) / 3 runs, not 0.7 over 5 branches
+    assert step["reward/scored_mean"] == 0.75  # the runs that did not fail: the progress bar's
+    assert summarize(trajs)["reward/mean"] == 0.5 and summarize(trajs)["runs"] == 3
+    line = _console_line(1, 2, step)
+    assert line.startswith("step 1/2 reward 0.500 ±0.41 (3 runs, 5 branches)"), line
+
+
 def test_per_branch_rewards_score_against_the_runs_baseline() -> None:
     # run 0: branches 0.0 and 1.0 (run reward 0.5); run 1: one branch 1.5
     trajs = [branch("g", 0, 0.0, 0.5, 0), branch("g", 0, 1.0, 0.5, 1), branch("g", 1, 1.5, 1.5)]
@@ -644,7 +663,8 @@ def test_turnrl_train_warm_starts_mini_swe_agent_unchanged_then_trains_on_its_br
 ) -> None:
     """The coding-harness example as a user runs it (the held-out set cut to one greedy run per
     evaluation): the solved episode is replayed through ``mini`` and learned, and the GRPO step
-    trains on every branch of every run whose group's rewards differ."""
+    trains on every branch of every run whose group's rewards differ, but for the replies mini
+    dropped (a reply with no well-formed command, replaced by its format error)."""
     out = tmp_path / "run"
     sets = [f"output_dir={out}", "eval.group_size=1", "eval.data.kwargs.size=1"]
     done = turnrl("train", "examples/harness/train_mini_swe.yaml", *(a for v in sets for a in ("--set", v)))
@@ -664,8 +684,11 @@ def test_turnrl_train_warm_starts_mini_swe_agent_unchanged_then_trains_on_its_br
         for g in {t.group_id for t in trajs}
         if len({t.info["run_reward"] for t in trajs if t.group_id == g}) > 1
     ]
-    trained = sum(1 for t in trajs if t.group_id in varied)
-    assert step["train/samples"] == trained, (step, varied)  # every branch of a varied group
+    trained = sum(1 for t in trajs if t.group_id in varied and not t.info.get("exclude"))
+    assert step["train/samples"] == trained, (step, varied)  # every branch of a varied group it trains
+    # each sampled token once: what branches copy from their parents is context
+    assert step["train/trunk_tokens"] == sum(t.info["forest"]["trunk"] for t in trajs)
+    assert step["train/excluded/unchosen_tokens"] == sum(t.info["forest"]["unchosen"] for t in trajs)
 
 
 def test_a_run_where_every_agent_failed_exits_non_zero(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from turnrl.config import RunConfig
 from turnrl.rollout.codec import json_line
 from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recover, starts_a_run
 from turnrl.rollout.failures import FAILURES, check_failures
-from turnrl.rollout.metrics import summarize, turn_record
+from turnrl.rollout.metrics import run_reward, summarize, turn_record
 from turnrl.rollout.spec import RolloutSpec, TurnHook, close_runner
 from turnrl.support.run_folder import FAILED, drop_aside, put_back, release
 from turnrl.support.stopping import bounded_stops
@@ -70,7 +70,8 @@ def _progress(console: Console) -> Progress:
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn(
-            "reward {task.fields[reward]}  turns {task.fields[turns]:.1f}  failed {task.fields[failed]}"
+            "reward {task.fields[reward]} (runs not failed)  turns {task.fields[turns]:.1f}  "
+            "failed {task.fields[failed]}"
         ),
         TimeElapsedColumn(),
         console=console,
@@ -78,8 +79,10 @@ def _progress(console: Console) -> Progress:
 
 
 class _Tally:
-    """Running means for the progress bar: the reward over trajectories that did not fail (a
-    failed one's 0 says nothing of the model), and how many failed."""
+    """Running numbers for the progress bar, per run (an agent run's branches count once): the
+    reward over the runs that did not fail (a failed one's 0 says nothing of the model), and how
+    many failed. The summary's ``reward/mean`` counts failed runs as their 0; its
+    ``reward/scored_mean`` is the bar's."""
 
     def __init__(self, trajs: list[Trajectory]) -> None:
         self.count = self.scored = self.failed = 0
@@ -88,14 +91,16 @@ class _Tally:
             self.add(traj)
 
     def add(self, traj: Trajectory) -> dict[str, Any]:
-        """Count one more trajectory; the bar's fields."""
+        """Count one more trajectory (a run's first); the bar's fields."""
+        if not starts_a_run(traj):
+            return self.fields()
         self.count += 1
-        self.turns += traj.num_turns
+        self.turns += traj.info.get("run", {}).get("calls", traj.num_turns)
         if traj.stop_reason in FAILURES:
             self.failed += 1
         else:
             self.scored += 1
-            self.reward += traj.reward
+            self.reward += run_reward(traj)
         return self.fields()
 
     def fields(self) -> dict[str, Any]:

@@ -87,6 +87,7 @@ class Branch:
     shared_tokens: int = 0  # leading tokens equal to the parent's
     fork_at: int | None = None  # the tokens the branch took from its parent (None: encoded afresh)
     fork_messages: int = 0  # the record messages it took with them
+    tool_calls: int = 0  # tool calls in the replies it sampled itself
 
     @property
     def calls(self) -> int:
@@ -120,6 +121,7 @@ class Branch:
             "reason": str(self.reason),
         }
         traj.info |= {"shared_tokens": self.shared_tokens, "fork_at": self.fork_at}
+        traj.info["num_tool_calls"] = self.tool_calls
         return traj
 
 
@@ -313,6 +315,7 @@ class Session:
         last = None if cut else last
         branch.episode.last_token_text = last
         reply = self._reply(text, gen, branch)
+        branch.tool_calls += len(reply.parsed.calls)
         record.add_model(gen, text, seconds, versions)
         record.turns[-1].info["call"] = self.calls  # its place among the session's calls
         record.messages.append(sampled_message(text, reply.parsed.calls, reply.call_ids))

@@ -143,6 +143,7 @@ def read_branches(path: Path, self_contained: bool = False) -> list[Trajectory]:
     episodes: dict[tuple[str, int], Episode] = {}
     links: dict[tuple[str, int], dict[str, Any]] = {}
     calls: dict[str, int] = {}  # per session, calls so far (the file is in the order they completed)
+    tool_calls: dict[tuple[str, int], int] = {}  # per branch, in the replies it sampled
     for call in read_calls(path):
         where = (call["session"], call["branch"])
         if where not in episodes:
@@ -160,11 +161,13 @@ def read_branches(path: Path, self_contained: bool = False) -> list[Trajectory]:
         episode.record.turns[-1].info["call"] = calls.get(call["session"], 0)
         calls[call["session"]] = calls.get(call["session"], 0) + 1
         episode.record.messages.append(call["sampled_message"])
+        tool_calls[where] = tool_calls.get(where, 0) + len(call["reply"].get("tool_calls") or ())
         episode.stop = StopReason.LENGTH if call["finish_reason"] == "length" else StopReason.ENV_DONE
     out = []
     for (session, index), episode in episodes.items():
         traj = episode.trajectory()
         traj.info |= {"session": session, "branch": index, **links[(session, index)]}
+        traj.info["num_tool_calls"] = tool_calls.get((session, index), 0)
         out.append(traj)
     if not self_contained:
         train_once(out)

@@ -7,9 +7,46 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from turnrl.rollout.failures import FAILURES
 from turnrl.types import Trajectory
 
 TOOL_COUNTS = ("num_tool_calls", "num_tool_errors", "num_parse_errors", "num_truncated_outputs")
+
+
+def run_of(traj: Trajectory) -> tuple[str, int] | int:
+    """The run a trajectory belongs to: an agent harness run (``info["session"]``) may leave several
+    branches, one run of its group member; any other trajectory is a run of its own."""
+    return (traj.group_id, traj.sample_index) if "session" in traj.info else id(traj)
+
+
+def run_reward(traj: Trajectory) -> float:
+    """The reward of the run ``traj`` belongs to: its branches' own may differ (a reward that scored
+    branches); the run's is ``info["run_reward"]`` (else the trajectory's)."""
+    return float(traj.info.get("run_reward", traj.reward))
+
+
+def runs(trajs: Iterable[Trajectory]) -> dict[tuple[str, int] | int, list[Trajectory]]:
+    """The trajectories of each run, in order."""
+    out: dict[tuple[str, int] | int, list[Trajectory]] = {}
+    for traj in trajs:
+        out.setdefault(run_of(traj), []).append(traj)
+    return out
+
+
+def run_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Rewards per run, as a user counts: ``reward/mean`` and ``reward/std`` over runs (a failed run's
+    0 included), ``reward/scored_mean`` over the runs that did not fail, ``runs`` and ``branches``
+    (trajectories: an agent harness run leaves one per branch of its session)."""
+    members = list(runs(trajs).values())
+    rewards = [run_reward(run[0]) for run in members]
+    scored = [run_reward(run[0]) for run in members if run[0].stop_reason not in FAILURES]
+    return {
+        "runs": len(members),
+        "branches": len(trajs),
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        "reward/scored_mean": statistics.fmean(scored) if scored else 0.0,
+    }
 
 
 def _quantiles(values: Sequence[float]) -> dict[str, float]:
@@ -58,7 +95,6 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     """Rewards, turns, stop reasons, env failures by kind, tool calls, tokens, timings, check results."""
     if not trajs:
         return {"trajectories": 0}
-    rewards = [t.reward for t in trajs]
     failures: Counter[str] = Counter()
     info: Counter[str] = Counter()
     by_source: dict[str, list[float]] = {}
@@ -69,8 +105,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     count = len(trajs)
     return {
         "trajectories": count,
-        "reward/mean": statistics.fmean(rewards),
-        "reward/std": statistics.pstdev(rewards),
+        **run_metrics(trajs),
         "reward/by_data_source": {k: statistics.fmean(v) for k, v in sorted(by_source.items())},
         "turns/mean": statistics.fmean(t.num_turns for t in trajs),
         "turns/histogram": dict(sorted(Counter(t.num_turns for t in trajs).items())),

@@ -26,6 +26,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from turnrl.rollout.metrics import run_reward
 from turnrl.types import Trajectory
 
 TurnAdvantages = list[list[float]]
@@ -84,12 +85,6 @@ def normalize(values: Sequence[float], normalize_std: bool, eps: float) -> list[
 def _per_turn(traj: Trajectory, value: float) -> list[float]:
     """``value`` for every model turn of ``traj``."""
     return [value] * traj.num_turns
-
-
-def run_reward(traj: Trajectory) -> float:
-    """The reward of the run ``traj`` belongs to: an agent harness run may leave several branches,
-    each with its own reward; the run's own is ``info["run_reward"]`` (else the trajectory's)."""
-    return float(traj.info.get("run_reward", traj.reward))
 
 
 def run_key(trajs: Sequence[Trajectory], i: int) -> tuple[str, int]:

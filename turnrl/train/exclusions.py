@@ -18,7 +18,7 @@ from turnrl.train.advantages import TurnAdvantages, groups
 from turnrl.train.batch import TrainSample
 from turnrl.types import Trajectory
 
-__all__ = ["FAILURES", "exclude_failures", "exclusion_metrics"]
+__all__ = ["FAILURES", "exclude_failures", "exclusion_metrics", "forest_metrics"]
 
 
 def exclude_failures(trajs: Sequence[Trajectory], keep: bool) -> tuple[list[Trajectory], Counter[str]]:
@@ -40,18 +40,26 @@ def exclusion_metrics(
     excluded: Counter[str],
 ) -> dict[str, float]:
     """``train/excluded/<reason>`` per left-out trajectory kind, trajectories without a model token,
-    samples and groups whose advantages are all zero; for agent sessions, the unchosen replies'
-    tokens and the sampled tokens a branch holds but another trains (``train/trunk_tokens``)."""
+    samples and groups whose advantages are all zero."""
     out: dict[str, float] = {f"train/excluded/{reason}": n for reason, n in sorted(excluded.items())}
     out["train/excluded/no_model_tokens"] = sum(1 for t in trajs if not (t.prompt_ids and any(t.loss_mask)))
-    # an agent session's branches (turnrl.gateway.forest): replies not credited, trunks trained once
-    forests = [t.info["forest"] for t in trajs if "forest" in t.info]
-    if forests:
-        out["train/excluded/unchosen_tokens"] = sum(f["unchosen"] for f in forests)
-        out["train/trunk_tokens"] = sum(f["trunk"] for f in forests)
+
     out["train/zero_advantage_samples"] = sum(1 for s in samples if not any(s.advantages))
     flat = [all(v == 0 for v in turn_advantages) for turn_advantages in advantages]
     members = groups(trajs).values()
     out["train/zero_advantage_groups"] = sum(1 for group in members if all(flat[i] for i in group))
     out["train/groups"] = len(members)
     return out
+
+
+def forest_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Over the step's agent session branches (``turnrl.gateway.forest``): the tokens of replies the
+    agent did not go on from (not trained), and the sampled tokens branches hold as context because
+    another branch trains them (``train/trunk_tokens``). Empty when no branch says."""
+    forests = [t.info["forest"] for t in trajs if "forest" in t.info]
+    if not forests:
+        return {}
+    return {
+        "train/excluded/unchosen_tokens": sum(f["unchosen"] for f in forests),
+        "train/trunk_tokens": sum(f["trunk"] for f in forests),
+    }

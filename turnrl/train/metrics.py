@@ -14,21 +14,20 @@ from typing import Any, Protocol
 from rich.console import Console
 
 from turnrl.rollout.codec import json_line
+from turnrl.rollout.metrics import run_metrics
 from turnrl.types import Trajectory
 
 METRICS = "metrics.jsonl"
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
-    """Reward, turns, stop reasons, tools, env retries, model tokens, truncation and time sums."""
+    """Reward (per run), turns, stop reasons, tools, env retries, model tokens, truncation and time sums."""
     if not trajs:
         return {}
     count = len(trajs)
-    rewards = [t.reward for t in trajs]
     stops = Counter(t.stop_reason.value for t in trajs)
     out: dict[str, float] = {
-        "reward/mean": statistics.fmean(rewards),
-        "reward/std": statistics.pstdev(rewards),
+        **run_metrics(trajs),  # per run, as a user counts (an agent run leaves one per branch)
         "turns/mean": statistics.fmean(t.num_turns for t in trajs),
         "tools/calls": sum(int(t.info.get("num_tool_calls", 0)) for t in trajs),
         "tools/errors": sum(int(t.info.get("num_tool_errors", 0)) for t in trajs),
@@ -156,6 +155,9 @@ _LINE = (
 def _console_line(step: int, steps: int, m: dict[str, float]) -> str:
     """One line per step with the numbers that say whether it is learning (those present)."""
     parts = [f"step {step}/{steps}"] + [fmt.format(m[key]) for key, fmt in _LINE if key in m]
+    if "runs" in m:  # what the reward is a mean of; an agent run leaves one branch or more
+        branches = f", {m['branches']:.0f} branches" if m.get("branches", m["runs"]) != m["runs"] else ""
+        parts.insert(3 if "reward/std" in m else 2, f"({m['runs']:.0f} runs{branches})")
     return " ".join(parts)
 
 

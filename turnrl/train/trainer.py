@@ -27,7 +27,7 @@ from turnrl.train.advantages import compute_advantages
 from turnrl.train.batch import Batch, TrainSample, batches_of, build_samples, packs
 from turnrl.train.data_parallel import Ranks, gather, param_spread, sum_across
 from turnrl.train.evaluation import EVAL_SEED_OFFSET, eval_metrics, run_eval
-from turnrl.train.exclusions import exclusion_metrics
+from turnrl.train.exclusions import exclusion_metrics, forest_metrics
 from turnrl.train.logprobs import shares_prefixes
 from turnrl.train.metrics import cpu_metrics, rollout_metrics
 from turnrl.train.rounds import StepRollout, step_rollout
@@ -52,7 +52,7 @@ async def learn_from(run: Run, rollout: StepRollout, t0: float, cpu0: float) -> 
     # 1. every rank's trajectories: too many failures stop the run (every rank decides alike)
     every = _every_ranks(rollout.rolled, ranks)
     check_failures(every, cfg.rollout.fail_fraction, f"training step {run.step + 1}")
-    metrics = rollout_metrics(every) | rollout.counts.metrics()
+    metrics = rollout_metrics(every) | rollout.counts.metrics() | forest_metrics(every)
     metrics["train/turns_cut_fraction"] = cut_fraction(every)
     # 2. advantages per model turn, then the training samples
     trajs = rollout.trainable
