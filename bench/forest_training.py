@@ -1,12 +1,14 @@
 """Training on an agent harness's forest of branches: shared prefixes computed once, against the
-same branches trained separately (goal: ≥1.5× trained tokens/s when prefixes are long).
+same branches trained separately (goal: ≥1.5× trained tokens/s when prefixes are long); and the
+trunk trained once per run (what turnrl trains now) against once per branch (before).
 
 A group holds ``--runs`` runs of one prompt (``--prompt`` tokens, shared by all); each run left
 ``--branches`` branches (a retry, an edit, a truncation: forks of the run's trunk) that share the
 run's first ``--trunk`` tokens after the prompt, and each branch has ``--suffix`` tokens of its
 own, trained (mask 1) as the trunk is. One optimizer step (forward and backward of turnrl's loss)
-over the group, with ``train.share_prefix_tokens`` at 32 (shared) and 0 (separate), alternating,
-median of ``--repeats``; the policy is SmolLM2-135M on this machine's CPU.
+over the group, with ``train.share_prefix_tokens`` at 32 (shared) and 0 (separate), the trunk
+trained in every branch or in the run's first only, alternating, median of ``--repeats``; the policy
+is SmolLM2-135M on this machine's CPU.
 
     .venv/bin/python bench/forest_training.py [--runs 4] [--branches 3] [--prompt 256] [--trunk 512]
 """
@@ -27,17 +29,20 @@ from turnrl.train.logprobs import token_logprobs
 from turnrl.train.loss import LossInputs, LossOptions, policy_loss
 
 
-def forest(args: argparse.Namespace, vocab: int) -> list[TrainSample]:
-    """One group's branches as training samples (random token ids, seeded)."""
+def forest(args: argparse.Namespace, vocab: int, trunk_once: bool) -> list[TrainSample]:
+    """One group's branches as training samples (random token ids, seeded); ``trunk_once``: the
+    trunk trained in the run's first branch only, context in the others (``turnrl.gateway.forest``),
+    else in every branch (before: a forked branch trained its trunk again)."""
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
     prompt = ids(args.prompt)
     out = []
     for _ in range(args.runs):
         trunk = ids(args.trunk)
-        for _ in range(args.branches):
+        for k in range(args.branches):
             tail = ids(args.suffix)
-            mask = [0] * len(prompt) + [1] * (len(trunk) + len(tail))
+            trained_trunk = 0 if trunk_once and k else 1
+            mask = [0] * len(prompt) + [trained_trunk] * len(trunk) + [1] * len(tail)
             out.append(
                 TrainSample(
                     prompt + trunk + tail,
@@ -82,26 +87,38 @@ def main() -> None:
     model = load_model(resolve_model(args.model))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    samples = forest(args, model.config.vocab_size)
-    rates: dict[str, list[float]] = {"shared": [], "separate": []}
+    sides = {  # name: (trunk trained once, share_prefix_tokens)
+        "separate, trunk per branch": (False, 0),
+        "shared, trunk per branch": (False, 32),
+        "shared, trunk once": (True, 32),
+    }
+    samples = {name: forest(args, model.config.vocab_size, once) for name, (once, _) in sides.items()}
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    walls: dict[str, list[float]] = {name: [] for name in sides}
+    trained: dict[str, int] = {}
     for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
-        for name, share in (("shared", 32), ("separate", 0)):
+        for name, (_, share) in sides.items():
             t0 = time.perf_counter()
-            tokens, ran = step(model, optimizer, samples, share, args.micro_tokens)
+            tokens, ran = step(model, optimizer, samples[name], share, args.micro_tokens)
             wall = time.perf_counter() - t0
             print(
-                f"  [{repeat}] {name:<9} {tokens} trained tokens, {ran} run, "
+                f"  [{repeat}] {name:<27} {tokens} trained tokens, {ran} run, "
                 f"{wall:6.2f} s, {tokens / wall:7.1f} tok/s"
             )
+            trained[name] = tokens
             if repeat:
                 rates[name].append(tokens / wall)
-    shared, separate = statistics.median(rates["shared"]), statistics.median(rates["separate"])
+                walls[name].append(wall)
     shape = f"{args.runs} runs x {args.branches} branches, prompt {args.prompt}"
     shape += f" + trunk {args.trunk} + {args.suffix}"
-    print(f"{args.model}: {shape}, median of {args.repeats} (trained tok/s):")
-    print(
-        f"  shared    {shared:8.1f}\n  separate  {separate:8.1f}\nshared / separate: {shared / separate:.2f}"
-    )
+    print(f"{args.model}: {shape}, median of {args.repeats}:")
+    base = statistics.median(walls["separate, trunk per branch"])
+    for name in sides:
+        wall = statistics.median(walls[name])
+        print(
+            f"  {name:<27} {trained[name]:6d} trained tokens  {wall:6.2f} s/step  "
+            f"{statistics.median(rates[name]):7.1f} trained tok/s  step time / separate: {wall / base:.2f}"
+        )
 
 
 if __name__ == "__main__":
