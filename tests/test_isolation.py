@@ -134,6 +134,7 @@ def test_nothing_the_agent_started_outlives_its_run(
     assert leftovers(marker) == []
 
 
+@pytest.mark.alone  # 256 processes forking without end: no other test's timing beside it
 def test_a_fork_bomb_ends_at_its_timeout_and_leaves_nothing(qwen3_tokenizer: Any, tmp_path: Path) -> None:
     _, _, [traj], marker = batch(qwen3_tokenizer, tmp_path, "fork_bomb", timeout_s=15)
     assert traj.stop_reason in (StopReason.AGENT_TIMEOUT, StopReason.AGENT_ERROR)
