@@ -105,3 +105,18 @@ def test_every_config_key_has_its_doc_in_config_show() -> None:
         if not doc.doc.strip()
     ]
     assert not undocumented, undocumented
+
+
+def test_config_show_reads_a_gateway_config(tmp_path: Path) -> None:
+    """The config `turnrl gateway` writes beside its calls, and one a user writes, read back as a
+    gateway config (guessed from its keys), every key filled in."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text("model: tiny-qwen3\nport: 0\napi_keys: [k1]\n")
+    shown = subprocess.run(
+        [str(Path(sys.executable).parent / "turnrl"), "config", "show", str(config)],
+        capture_output=True,
+        text=True,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"# {config} as `turnrl gateway` reads it")
+    assert "any_model: true" in shown.stdout and "max_session_tokens: 32768" in shown.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import signal
@@ -280,22 +281,32 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize(
     ("reward", "said"),
     [
-        (lambda s, r: 1 / 0, "env.reward: the reward raised ZeroDivisionError: division by zero"),
+        (lambda s, r: 1 / 0, "env.reward: the reward raised ZeroDivisionError at {at}: division by zero"),
         (lambda s, r: math.nan, "env.reward: the reward returned nan: a finite number is needed"),
         (lambda s, r: [1.0, 2.0], "env.reward: the reward returned 2 values for 1 branches"),
     ],
 )
 def test_a_bad_reward_is_one_line_and_keeps_the_tokens(
-    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reward: Any, said: str
+    qwen3_tokenizer: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    reward: Any,
+    said: str,
 ) -> None:
     import lookup_task
 
     monkeypatch.setattr(lookup_task, "reward", reward)
     command = ["python", str(LOOKUP / "lookup_agent.py"), "{prompt}"]
     runner, _ = runner_for(qwen3_tokenizer, tmp_path, [CALL, "<answer>42</answer>"], command=command)
-    [traj] = run_once(runner)
+    with caplog.at_level(logging.WARNING, logger="turnrl.harness.runner"):
+        [traj] = run_once(runner)
+    said = said.format(
+        at=f"{reward.__code__.co_filename}:{reward.__code__.co_firstlineno}"
+    )  # the user's line
     assert traj.stop_reason == StopReason.INTERNAL_ERROR and traj.error == said
     assert traj.num_turns == 2 and any(traj.loss_mask)
+    assert [r.getMessage() for r in caplog.records] == [f"{said} (the run's branches end as internal_error)"]
 
 
 def test_a_reward_of_none_leaves_the_run_out_and_says_why(

@@ -36,8 +36,9 @@ class GatewayConfig(Strict):
     """The address the server listens on (loopback by default)."""
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     """The port (0: any free one, said at start)."""
-    any_model: bool = False
-    """Answer a call whatever model it names (an agent with its own model name, unchanged)."""
+    any_model: bool = True
+    """Answer a call whatever model it names: an agent keeps the model name it has, unchanged.
+    false: a call that names another model than ``model`` (or ``served_name``) gets a 404."""
     api_keys: list[str] = Field(default_factory=list)
     """Keys a call must carry (``Authorization: Bearer KEY`` or ``x-api-key``); a session belongs to
     the key that made it. Empty: any call is served (said at start). ``api_keys_file``: more, one a line."""

@@ -112,7 +112,7 @@ class Gateway:
         """Refuse a model this gateway does not serve (404)."""
         if model and model != self.model and not self.config.any_model:
             served = f"this gateway serves {self.model!r}"
-            message = f"the model {model!r} does not exist; {served}"
+            message = f"the model {model!r} does not exist; {served} (any_model: true answers any name)"
             raise ApiError(404, message, code="model_not_found", param="model")
 
     async def answer(self, name: str, request: ChatRequest) -> Completed:
