@@ -25,7 +25,7 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import HarnessConfig
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.harness import HarnessRunner
-from turnrl.harness.process import check_command
+from turnrl.harness.process import argv_for, check_command
 from turnrl.support.imports import add_search_path, search_path
 from turnrl.tools.parsers import get_parser
 from turnrl.train.advantages import AdvantageOptions, compute_advantages
@@ -294,6 +294,7 @@ def test_a_bad_reward_is_one_line_and_keeps_the_tokens(
     reward: Any,
     said: str,
 ) -> None:
+    add_search_path(LOOKUP)
     import lookup_task
 
     monkeypatch.setattr(lookup_task, "reward", reward)
@@ -573,7 +574,27 @@ def test_a_command_that_does_not_exist_is_one_line() -> None:
         check_command("agent")
         == "env.command 'agent': a Python callable is 'module:function' (or give an argv list)"
     )
-    assert check_command(["python", "a.py"]) is None
+    assert check_command(["python", "no_such_agent.py", "{prompt}"]) == (
+        f"env.command: no file 'no_such_agent.py' (looked in {', '.join([str(Path.cwd()), *search_path()])})"
+    )
+
+
+def test_a_script_in_env_command_is_found_from_here_or_beside_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config_dir, elsewhere = tmp_path / "task", tmp_path / "elsewhere"
+    config_dir.mkdir()
+    elsewhere.mkdir()
+    (config_dir / "my_agent.py").write_text("print('hi')\n")
+    monkeypatch.chdir(elsewhere)
+    assert check_command(["python", "my_agent.py", "{prompt}"]) is not None  # not from here, not yet
+    add_search_path(config_dir)  # what loading the config does: its folder, where env.reward is found
+    assert check_command(["python", "my_agent.py", "{prompt}"]) is None
+    assert argv_for(["python", "my_agent.py", "{prompt}"], "Hi.") == [
+        sys.executable, str(config_dir / "my_agent.py"), "Hi.",
+    ]  # fmt: skip
+    (elsewhere / "my_agent.py").write_text("print('here')\n")
+    assert argv_for(["python", "my_agent.py"], "")[1] == str(elsewhere / "my_agent.py")  # from here first
 
 
 def branch(group: str, run: int, reward: float, run_reward: float, index: int = 0) -> Trajectory:
