@@ -44,6 +44,11 @@ class GatewayConfig(Strict):
     the key that made it. Empty: any call is served (said at start). ``api_keys_file``: more, one a line."""
     api_keys_file: str | None = None
     """A file of keys, one a line (blank lines and ``#`` comments skipped), added to ``api_keys``."""
+    tool_parser: str | None = None
+    """The tool-call format replies are parsed in (hermes, llama3_json, ...); default: the chat
+    template's own. Where the template renders no tools (SmolLM2's), a call with tools is refused
+    (400) unless this is set: then the agent's own prompt is taken to teach the model this format,
+    and its tools pass (counted in /metrics as tools the template did not render)."""
     served_name: str | None = None
     """The model name clients use (default: ``model``); ``/v1/models`` lists it."""
 

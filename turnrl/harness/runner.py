@@ -77,6 +77,7 @@ class HarnessRunner:
             max_session_calls=config.max_calls,
             any_model=True,  # the agent keeps the model name it has
             output_dir=str(out_dir / "harness"),
+            tool_parser=config.tool_parser,
         )
         if config.tool_parser:
             parser = get_parser(config.tool_parser)
