@@ -574,12 +574,13 @@ def test_a_command_that_does_not_exist_is_one_line() -> None:
         check_command("agent")
         == "env.command 'agent': a Python callable is 'module:function' (or give an argv list)"
     )
+    looked = ", ".join(dict.fromkeys([*search_path(), str(Path.cwd())]))
     assert check_command(["python", "no_such_agent.py", "{prompt}"]) == (
-        f"env.command: no file 'no_such_agent.py' (looked in {', '.join([str(Path.cwd()), *search_path()])})"
+        f"env.command: no file 'no_such_agent.py' (looked in {looked})"
     )
 
 
-def test_a_script_in_env_command_is_found_from_here_or_beside_the_config(
+def test_a_script_in_env_command_is_found_beside_the_config_or_from_here(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config_dir, elsewhere = tmp_path / "task", tmp_path / "elsewhere"
@@ -594,7 +595,7 @@ def test_a_script_in_env_command_is_found_from_here_or_beside_the_config(
         sys.executable, str(config_dir / "my_agent.py"), "Hi.",
     ]  # fmt: skip
     (elsewhere / "my_agent.py").write_text("print('here')\n")
-    assert argv_for(["python", "my_agent.py"], "")[1] == str(elsewhere / "my_agent.py")  # from here first
+    assert argv_for(["python", "my_agent.py"], "")[1] == str(config_dir / "my_agent.py")  # as modules are
 
 
 def branch(group: str, run: int, reward: float, run_reward: float, index: int = 0) -> Trajectory:

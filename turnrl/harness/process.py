@@ -71,12 +71,12 @@ def argv_for(command: list[str] | str, prompt: str) -> list[str]:
 
 
 def find_file(part: str) -> Path | None:
-    """The file an argument of ``env.command`` names: an absolute path, else one from the working
-    directory, else one beside the config (where ``env.reward``'s module is found); None if none."""
+    """The file an argument of ``env.command`` names, looked for as ``env.reward``'s module is: an
+    absolute path, else one beside the config, else one from the working directory; None if none."""
     if not part or "{" in part or part.startswith("-"):
         return None
     path = Path(part)
-    for folder in [] if path.is_absolute() else [Path.cwd(), *map(Path, search_path())]:
+    for folder in [] if path.is_absolute() else [*map(Path, search_path()), Path.cwd()]:
         if (folder / path).is_file():
             return (folder / path).resolve()
     return path.resolve() if path.is_absolute() and path.is_file() else None
@@ -98,7 +98,7 @@ def check_command(command: list[str] | str) -> str | None:
         return f"env.command: {program!r} is not a program on PATH nor beside {sys.executable}"
     for part in command[1:]:  # a script it runs: python agent.py
         if part.endswith(SCRIPTS) and not part.startswith("-") and find_file(part) is None:
-            where = ", ".join([str(Path.cwd()), *search_path()])
+            where = ", ".join(dict.fromkeys([*search_path(), str(Path.cwd())]))
             return f"env.command: no file {part!r} (looked in {where})"
     return None
 
