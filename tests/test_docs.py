@@ -15,10 +15,20 @@ from test_architecture import LAYERS
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SNIPPET = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
+FENCE = re.compile(r"^```[a-z]*\n(.*?)^```", re.M | re.S)
+NAMED = re.compile(r"^# ([\w./-]+\.(?:py|yaml|yml|sh|toml))(?:$|[ :(])")
 
 
 def snippets(page: Path) -> list[str]:
-    return SNIPPET.findall(page.read_text())
+    """The page's Python blocks to run, but for copies of a shipped file (the file itself is what
+    runs: ``test_every_block_that_names_a_shipped_file_is_that_file`` holds them to it)."""
+    return [code for code in SNIPPET.findall(page.read_text()) if not names_a_file(code)]
+
+
+def names_a_file(block: str) -> str | None:
+    """The repository file a block's first line names (``# PATH ...``), or None."""
+    named = NAMED.match(block.partition("\n")[0])
+    return named[1] if named is not None and (REPO / named[1]).is_file() else None
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if snippets(p)], ids=lambda p: p.name)
@@ -105,3 +115,34 @@ def test_every_config_key_has_its_doc_in_config_show() -> None:
         if not doc.doc.strip()
     ]
     assert not undocumented, undocumented
+
+
+def test_config_show_reads_a_gateway_config(tmp_path: Path) -> None:
+    """The config `turnrl gateway` writes beside its calls, and one a user writes, read back as a
+    gateway config (guessed from its keys), every key filled in."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text("model: tiny-qwen3\nport: 0\napi_keys: [k1]\n")
+    shown = subprocess.run(
+        [str(Path(sys.executable).parent / "turnrl"), "config", "show", str(config)],
+        capture_output=True,
+        text=True,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"# {config} as `turnrl gateway` reads it")
+    assert "any_model: true" in shown.stdout and "max_session_tokens: 32768" in shown.stdout
+
+
+def test_every_block_that_names_a_shipped_file_is_that_file() -> None:
+    """A code block whose first line is `# PATH ...` (a file of this repository) is that file, or a
+    run of its consecutive lines, exactly: a copy of an example cannot drift from the example."""
+    drifted = []
+    for page in PAGES:
+        for block in FENCE.findall(page.read_text()):
+            name = names_a_file(block)
+            if name is None:
+                continue
+            lines = block.partition("\n")[2].rstrip("\n").splitlines()
+            shipped, n = (REPO / name).read_text().splitlines(), len(lines)
+            if not any(shipped[i : i + n] == lines for i in range(len(shipped) - n + 1)):
+                drifted.append(f"{page.name}: the block named {name}")
+    assert not drifted, drifted

@@ -143,7 +143,11 @@ def test_bad_requests_get_the_apis_errors_and_the_server_goes_on(
     qwen3_tokenizer: Any, tmp_path: Path
 ) -> None:
     gateway = gateway_for(
-        ScriptedEngine(qwen3_tokenizer, ["Hello."]), qwen3_tokenizer, tmp_path, max_session_tokens=64
+        ScriptedEngine(qwen3_tokenizer, ["Hello."]),
+        qwen3_tokenizer,
+        tmp_path,
+        max_session_tokens=64,
+        any_model=False,  # by default any name is answered
     )
     with serving(gateway) as url:
         raw = httpx.post(
@@ -151,7 +155,7 @@ def test_bad_requests_get_the_apis_errors_and_the_server_goes_on(
         )
         assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
         client = OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
-        with pytest.raises(NotFoundError, match="does not exist"):
+        with pytest.raises(NotFoundError, match=r"does not exist.*any_model: true answers any name"):
             client.chat.completions.create(model="gpt-9", messages=START)
         with pytest.raises(BadRequestError, match="at most 16 samples"):
             client.chat.completions.create(model="tiny-qwen3", messages=START, n=17)

@@ -402,3 +402,18 @@ def test_a_weight_update_lets_calls_in_flight_finish_and_holds_new_ones(
         n: set(s.branches[0].episode.record.policy_versions) - {-1} for n, s in gateway.sessions.items()
     }
     assert versions == {"a": {0}, "b": {1}}
+
+
+def test_an_anthropic_client_given_the_v1_url_and_its_own_model_name_is_answered(
+    qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    import anthropic
+
+    gateway = gateway_for(ScriptedEngine(qwen3_tokenizer, ["Hello."]), qwen3_tokenizer, tmp_path)
+    with serving(gateway) as url:
+        client = anthropic.Anthropic(base_url=f"{url}/v1", api_key="claude-v1", max_retries=0)
+        reply = client.messages.create(
+            model="claude-sonnet-4-5", max_tokens=16, messages=[{"role": "user", "content": "Hi."}]
+        )
+    assert reply.content[0].text == "Hello."  # type: ignore[union-attr]
+    assert [b.calls for b in gateway.sessions["claude-v1"].branches] == [1]

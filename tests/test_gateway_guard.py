@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_fixtures import gateway_for, serving
+from gateway_fixtures import TOOLS, gateway_for, serving
 
 from turnrl.app.gateway import _settle_replaced
 from turnrl.engines.scripted import ScriptedEngine
@@ -128,3 +128,36 @@ def test_a_python_callable_agent_whose_module_is_missing_is_found_before_the_mod
     problem = check_command("no_such_agent_module:main")
     assert problem is not None and problem.startswith("env.command: no module named 'no_such_agent_module'")
     assert check_command("json:dumps") is None
+
+
+def test_tools_the_template_cannot_render_are_refused_or_passed_by_tool_parser_never_dropped(
+    smollm2_tokenizer: Any, qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    """SmolLM2's template renders no tools: a call with tools gets a 400 that names the fix; with
+    ``tool_parser`` set the agent's prompt is taken to teach the format, the call is answered and
+    its textual calls come back as tool calls; both counted in /metrics. Qwen3's renders them."""
+    from openai import BadRequestError, OpenAI
+
+    from turnrl.chat.encoder import ChatEncoder
+
+    assert not ChatEncoder(smollm2_tokenizer).renders_tools and ChatEncoder(qwen3_tokenizer).renders_tools
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "alpha"}}\n</tool_call>'
+    asked = [{"role": "user", "content": "What is alpha?"}]
+    for parser in (None, "hermes"):
+        out = tmp_path / str(parser)
+        gateway = gateway_for(
+            ScriptedEngine(smollm2_tokenizer, [call]), smollm2_tokenizer, out, tool_parser=parser
+        )
+        with serving(gateway) as url:
+            client = OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+            if parser is None:
+                with pytest.raises(BadRequestError, match=r"renders no tools.*set the gateway's tool_parser"):
+                    client.chat.completions.create(model="m", messages=asked, tools=TOOLS)  # type: ignore[arg-type]
+            else:
+                reply = client.chat.completions.create(model="m", messages=asked, tools=TOOLS)  # type: ignore[arg-type]
+                assert reply.choices[0].message.tool_calls[0].function.name == "lookup"  # type: ignore[index]
+            metrics = httpx.get(f"{url}/metrics").text
+        if parser is None:
+            assert 'turnrl_gateway_dropped_tools_total{type="unrendered"} 1' in metrics
+        else:
+            assert "turnrl_gateway_unrendered_tools_total 1" in metrics

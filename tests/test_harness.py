@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import signal
@@ -24,7 +25,7 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import HarnessConfig
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.harness import HarnessRunner
-from turnrl.harness.process import check_command
+from turnrl.harness.process import argv_for, check_command
 from turnrl.support.imports import add_search_path, search_path
 from turnrl.tools.parsers import get_parser
 from turnrl.train.advantages import AdvantageOptions, compute_advantages
@@ -280,22 +281,33 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize(
     ("reward", "said"),
     [
-        (lambda s, r: 1 / 0, "env.reward: the reward raised ZeroDivisionError: division by zero"),
+        (lambda s, r: 1 / 0, "env.reward: the reward raised ZeroDivisionError at {at}: division by zero"),
         (lambda s, r: math.nan, "env.reward: the reward returned nan: a finite number is needed"),
         (lambda s, r: [1.0, 2.0], "env.reward: the reward returned 2 values for 1 branches"),
     ],
 )
 def test_a_bad_reward_is_one_line_and_keeps_the_tokens(
-    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reward: Any, said: str
+    qwen3_tokenizer: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    reward: Any,
+    said: str,
 ) -> None:
+    add_search_path(LOOKUP)
     import lookup_task
 
     monkeypatch.setattr(lookup_task, "reward", reward)
     command = ["python", str(LOOKUP / "lookup_agent.py"), "{prompt}"]
     runner, _ = runner_for(qwen3_tokenizer, tmp_path, [CALL, "<answer>42</answer>"], command=command)
-    [traj] = run_once(runner)
+    with caplog.at_level(logging.WARNING, logger="turnrl.harness.runner"):
+        [traj] = run_once(runner)
+    said = said.format(
+        at=f"{reward.__code__.co_filename}:{reward.__code__.co_firstlineno}"
+    )  # the user's line
     assert traj.stop_reason == StopReason.INTERNAL_ERROR and traj.error == said
     assert traj.num_turns == 2 and any(traj.loss_mask)
+    assert [r.getMessage() for r in caplog.records] == [f"{said} (the run's branches end as internal_error)"]
 
 
 def test_a_reward_of_none_leaves_the_run_out_and_says_why(
@@ -562,7 +574,28 @@ def test_a_command_that_does_not_exist_is_one_line() -> None:
         check_command("agent")
         == "env.command 'agent': a Python callable is 'module:function' (or give an argv list)"
     )
-    assert check_command(["python", "a.py"]) is None
+    looked = ", ".join(dict.fromkeys([*search_path(), str(Path.cwd())]))
+    assert check_command(["python", "no_such_agent.py", "{prompt}"]) == (
+        f"env.command: no file 'no_such_agent.py' (looked in {looked})"
+    )
+
+
+def test_a_script_in_env_command_is_found_beside_the_config_or_from_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config_dir, elsewhere = tmp_path / "task", tmp_path / "elsewhere"
+    config_dir.mkdir()
+    elsewhere.mkdir()
+    (config_dir / "my_agent.py").write_text("print('hi')\n")
+    monkeypatch.chdir(elsewhere)
+    assert check_command(["python", "my_agent.py", "{prompt}"]) is not None  # not from here, not yet
+    add_search_path(config_dir)  # what loading the config does: its folder, where env.reward is found
+    assert check_command(["python", "my_agent.py", "{prompt}"]) is None
+    assert argv_for(["python", "my_agent.py", "{prompt}"], "Hi.") == [
+        sys.executable, str(config_dir / "my_agent.py"), "Hi.",
+    ]  # fmt: skip
+    (elsewhere / "my_agent.py").write_text("print('here')\n")
+    assert argv_for(["python", "my_agent.py"], "")[1] == str(config_dir / "my_agent.py")  # as modules are
 
 
 def branch(group: str, run: int, reward: float, run_reward: float, index: int = 0) -> Trajectory:

@@ -22,6 +22,8 @@ from turnrl.types import EngineError
 
 USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError, OSError, EngineError)
 TRAIN_SECTIONS = ("algorithm", "optim", "train", "eval", "warm_start")
+GATEWAY_ONLY = {"host", "port", "any_model", "api_keys", "api_keys_file", "served_name", "max_session_tokens"}
+GATEWAY_ONLY |= {"max_session_calls", "tool_parser"}
 
 
 def _fresh(output_dir: str, holds_run: Callable[[Path], bool], console: Console) -> str:
@@ -184,19 +186,26 @@ def _config(args: argparse.Namespace, console: Console) -> int:
 
     from turnrl.app.config_docs import field_docs, render
     from turnrl.config import RunConfig, dump_config, load_model_config, read_yaml_mapping
+    from turnrl.gateway.config import GatewayConfig
     from turnrl.train.config import TrainConfig
 
-    kind: type[BaseModel] = TrainConfig if args.kind == "train" else RunConfig
+    kinds: dict[str, type[BaseModel]] = {"rollout": RunConfig, "train": TrainConfig, "gateway": GatewayConfig}
+    name = args.kind or "rollout"
+    if args.config and args.kind is None:
+        keys = set(read_yaml_mapping(args.config))
+        if keys & set(TRAIN_SECTIONS):
+            name = "train"
+        elif "env" not in keys and keys & GATEWAY_ONLY:  # a `turnrl gateway` config has no env
+            name = "gateway"
+    kind = kinds[name]
     if args.config:
-        if args.kind is None and any(k in read_yaml_mapping(args.config) for k in TRAIN_SECTIONS):
-            kind = TrainConfig
         resolved = load_model_config(args.config, kind, args.set)
-        print(f"# {args.config} as `turnrl {'train' if kind is TrainConfig else 'rollout'}` reads it")
+        print(f"# {args.config} as `turnrl {name}` reads it")
         print(yaml.safe_dump(dump_config(resolved), sort_keys=False).rstrip())
         if args.schema:
             print()
     if args.schema or not args.config:
-        print(f"# every key of a `turnrl {'train' if kind is TrainConfig else 'rollout'}` config")
+        print(f"# every key of a `turnrl {name}` config")
         print(render(field_docs(kind)))
     return 0
 
@@ -262,9 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     show = cfg_sub.add_parser(
         "show", help="the config as it is read (defaults filled in); no CONFIG: the schema"
     )
-    show.add_argument("config", nargs="?", help="YAML config (rollout or train)")
+    show.add_argument("config", nargs="?", help="YAML config (rollout, train or gateway)")
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    show.add_argument("--kind", choices=["rollout", "train"], help="read it as this (default: guessed)")
+    show.add_argument(
+        "--kind", choices=["rollout", "train", "gateway"], help="read it as this (default: guessed)"
+    )
     show.add_argument("--schema", action="store_true", help="also list every key with its doc")
     show.set_defaults(func=_config)
     return parser

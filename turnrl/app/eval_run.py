@@ -17,6 +17,7 @@ from turnrl.app.run import SERVERS
 from turnrl.rollout.collector import starts_a_run
 from turnrl.rollout.failures import FAILURES
 from turnrl.rollout.spec import close_runner
+from turnrl.support.progress import LoggedProgress
 from turnrl.support.run_folder import release
 from turnrl.support.stopping import bounded_stops
 from turnrl.train.config import TrainConfig
@@ -49,7 +50,7 @@ def _merge_adapters(adapters: Path, base: str, out: Path) -> Path:
 
 
 def _progress(console: Console) -> Progress:
-    return Progress(
+    return LoggedProgress(
         TextColumn("[bold]eval"),
         BarColumn(),
         MofNCompleteColumn(),

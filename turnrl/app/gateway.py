@@ -41,7 +41,7 @@ def build_gateway(config: GatewayConfig, console: Console) -> Gateway:
     encoder = ChatEncoder(
         tokenizer, config.chat.template_kwargs, load_vision_processor(config.model, tokenizer)
     )
-    name = parser_for_template(str(getattr(tokenizer, "chat_template", None) or ""))
+    name = config.tool_parser or parser_for_template(str(getattr(tokenizer, "chat_template", None) or ""))
     return Gateway(engine, encoder, get_parser(name) if name else None, config, CallLog(out))
 
 

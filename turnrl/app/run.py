@@ -21,6 +21,7 @@ from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recove
 from turnrl.rollout.failures import FAILURES, check_failures
 from turnrl.rollout.metrics import run_reward, summarize, turn_record
 from turnrl.rollout.spec import RolloutSpec, TurnHook, close_runner
+from turnrl.support.progress import LoggedProgress
 from turnrl.support.run_folder import FAILED, drop_aside, put_back, release
 from turnrl.support.stopping import bounded_stops
 from turnrl.types import Sample, Trajectory, Turn
@@ -65,7 +66,7 @@ def prepare(
 
 
 def _progress(console: Console) -> Progress:
-    return Progress(
+    return LoggedProgress(
         TextColumn("[bold]rollout"),
         BarColumn(),
         MofNCompleteColumn(),

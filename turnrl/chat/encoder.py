@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,14 @@ class ChatEncoder:
         if key not in self._probes:
             self._probes[key] = probe_template(self.template, tools)
         return self._probes[key]
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template puts a request's tools into the prompt at all (SmolLM2's, for
+        one, renders none: tools given to it never reach the model)."""
+        asked: list[Message] = [{"role": "user", "content": "Hi."}]
+        tool = {"type": "function", "function": {"name": "probe_tool_x7", "parameters": {"type": "object"}}}
+        return self.template.render(asked, [tool], True) != self.template.render(asked, None, True)
 
     def conversation(self, tools: Tools = None) -> ConversationEncoder:
         """An encoder for one trajectory with these tools."""

@@ -36,13 +36,19 @@ class GatewayConfig(Strict):
     """The address the server listens on (loopback by default)."""
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     """The port (0: any free one, said at start)."""
-    any_model: bool = False
-    """Answer a call whatever model it names (an agent with its own model name, unchanged)."""
+    any_model: bool = True
+    """Answer a call whatever model it names: an agent keeps the model name it has, unchanged.
+    false: a call that names another model than ``model`` (or ``served_name``) gets a 404."""
     api_keys: list[str] = Field(default_factory=list)
     """Keys a call must carry (``Authorization: Bearer KEY`` or ``x-api-key``); a session belongs to
     the key that made it. Empty: any call is served (said at start). ``api_keys_file``: more, one a line."""
     api_keys_file: str | None = None
     """A file of keys, one a line (blank lines and ``#`` comments skipped), added to ``api_keys``."""
+    tool_parser: str | None = None
+    """The tool-call format replies are parsed in (hermes, llama3_json, ...); default: the chat
+    template's own. Where the template renders no tools (SmolLM2's), a call with tools is refused
+    (400) unless this is set: then the agent's own prompt is taken to teach the model this format,
+    and its tools pass (counted in /metrics as tools the template did not render)."""
     served_name: str | None = None
     """The model name clients use (default: ``model``); ``/v1/models`` lists it."""
 

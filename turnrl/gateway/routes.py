@@ -99,8 +99,10 @@ def make_app(gateway: Gateway) -> FastAPI:
         app.get(f"{prefix}/v1/models")(models)
         app.post(f"{prefix}/v1/chat/completions")(chat)
         app.post(f"{prefix}/v1/responses")(responses)
-        app.post(f"{prefix}/v1/messages")(messages)
-        app.post(f"{prefix}/v1/messages/count_tokens")(count_tokens)
+        # an Anthropic client adds /v1 to its base URL itself: one given .../v1 asks for /v1/v1/...
+        for version in ("/v1", "/v1/v1"):
+            app.post(f"{prefix}{version}/messages")(messages)
+            app.post(f"{prefix}{version}/messages/count_tokens")(count_tokens)
     app.get("/metrics")(lambda: PlainTextResponse(gateway.metrics()))
     return app
 

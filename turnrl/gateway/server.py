@@ -108,17 +108,34 @@ class Gateway:
             self.sessions[name] = Session(name, self.encoder, self.parser)
         return self.sessions[name]
 
+    def check_tools(self, tools: list[dict[str, Any]] | None) -> None:
+        """Refuse tools the chat template cannot put into the prompt (400), unless ``tool_parser``
+        says the agent's own prompt teaches the model a format: never drop them unsaid."""
+        if not tools or self.encoder.renders_tools:
+            return
+        if self.config.tool_parser is None:
+            self.counts["dropped:unrendered"] += len(tools)
+            raise ApiError(
+                400,
+                f"{self.model}'s chat template renders no tools, so this call's {len(tools)} tools would "
+                "not reach the model; set the gateway's tool_parser (hermes, ...) if the agent's own "
+                "prompt teaches the model that format, or serve a model whose template renders tools",
+                param="tools",
+            )
+        self.counts["unrendered:passed"] += len(tools)
+
     def check_model(self, model: str) -> None:
         """Refuse a model this gateway does not serve (404)."""
         if model and model != self.model and not self.config.any_model:
             served = f"this gateway serves {self.model!r}"
-            message = f"the model {model!r} does not exist; {served}"
+            message = f"the model {model!r} does not exist; {served} (any_model: true answers any name)"
             raise ApiError(404, message, code="model_not_found", param="model")
 
     async def answer(self, name: str, request: ChatRequest) -> Completed:
         """Answer one call of session ``name``: ``request.n`` replies to its messages (the first on
         the branch the call extends, each other one a branch of its own that says ``sample``)."""
         self.check_model(request.model)
+        self.check_tools(request.tools)
         for kind in request.dropped_tools:
             self.counts[f"dropped:{kind}"] += 1
         async with self._locks[name]:
@@ -300,4 +317,6 @@ class Gateway:
                 lines.append(f'turnrl_gateway_branches_total{{reason="{name[7:]}"}} {n}')
             if name.startswith("dropped:"):
                 lines.append(f'turnrl_gateway_dropped_tools_total{{type="{name[8:]}"}} {n}')
+        passed = self.counts["unrendered:passed"]
+        lines.append(f"turnrl_gateway_unrendered_tools_total {passed}")  # let through by tool_parser
         return "\n".join(lines) + "\n"

@@ -54,16 +54,32 @@ class Exit:
     seconds: float = 0.0
 
 
+SCRIPTS = (".py", ".sh", ".js", ".mjs", ".cjs", ".ts", ".rb", ".pl")  # an argument with these names a file
+
+
 def argv_for(command: list[str] | str, prompt: str) -> list[str]:
     """The argv of ``command``: a list with ``{prompt}`` filled in, ``python`` as this interpreter
-    and arguments naming an existing file (from here) made absolute, since the agent runs in its own
-    folder; or a "module:function" run by ``python -m turnrl.harness.call``."""
+    and arguments naming an existing file (``find_file``) made absolute, since the agent runs in its
+    own folder; or a "module:function" run by ``python -m turnrl.harness.call``."""
     if isinstance(command, str):
         return [sys.executable, "-m", "turnrl.harness.call", command]
     argv = [program_path(command[0])]
     for part in command[1:]:
-        argv.append(str(Path(part).resolve()) if Path(part).is_file() else part.replace("{prompt}", prompt))
+        found = find_file(part)
+        argv.append(str(found) if found is not None else part.replace("{prompt}", prompt))
     return argv
+
+
+def find_file(part: str) -> Path | None:
+    """The file an argument of ``env.command`` names, looked for as ``env.reward``'s module is: an
+    absolute path, else one beside the config, else one from the working directory; None if none."""
+    if not part or "{" in part or part.startswith("-"):
+        return None
+    path = Path(part)
+    for folder in [] if path.is_absolute() else [*map(Path, search_path()), Path.cwd()]:
+        if (folder / path).is_file():
+            return (folder / path).resolve()
+    return path.resolve() if path.is_absolute() and path.is_file() else None
 
 
 def check_command(command: list[str] | str) -> str | None:
@@ -78,9 +94,13 @@ def check_command(command: list[str] | str) -> str | None:
     program = command[0]
     if os.sep in program:
         return None if os.access(program, os.X_OK) else f"env.command: {program!r} is not an executable file"
-    if os.sep in program_path(program) or shutil.which(program):
-        return None
-    return f"env.command: {program!r} is not a program on PATH nor beside {sys.executable}"
+    if not (os.sep in program_path(program) or shutil.which(program)):
+        return f"env.command: {program!r} is not a program on PATH nor beside {sys.executable}"
+    for part in command[1:]:  # a script it runs: python agent.py
+        if part.endswith(SCRIPTS) and not part.startswith("-") and find_file(part) is None:
+            where = ", ".join(dict.fromkeys([*search_path(), str(Path.cwd())]))
+            return f"env.command: no file {part!r} (looked in {where})"
+    return None
 
 
 def check_preload(modules: list[str]) -> str | None:

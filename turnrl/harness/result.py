@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.harness.process import CommandResult
+from turnrl.support.user_code import raised_at
 from turnrl.types import Message, Sample, Trajectory
 
 RewardFn = Callable[[Sample, "HarnessResult"], Any]
@@ -68,7 +69,9 @@ def branch_rewards(fn: RewardFn, sample: Sample, result: HarnessResult) -> Score
     try:
         value = fn(sample, result)
     except Exception as exc:
-        raise RewardError(f"the reward raised {type(exc).__name__}: {exc}") from None
+        at = raised_at(exc)
+        where = f" at {at}" if at else ""
+        raise RewardError(f"the reward raised {type(exc).__name__}{where}: {exc}") from None
     if value is None:
         return None
     n = len(result.branches)

@@ -77,12 +77,14 @@ class HarnessRunner:
             max_session_calls=config.max_calls,
             any_model=True,  # the agent keeps the model name it has
             output_dir=str(out_dir / "harness"),
+            tool_parser=config.tool_parser,
         )
         if config.tool_parser:
             parser = get_parser(config.tool_parser)
         self.gateway = Gateway(engine, encoder, parser, gateway_config)
         self.gateway.sealed = True  # a run's session answers its own key only
         self.reward: RewardFn = import_object(config.reward, "env.reward")
+        self._reward_errors: set[str] = set()  # said on the console already
         self.setup = import_object(config.setup, "env.setup") if config.setup else None
         self.skip = [re.compile(pattern) for pattern in config.skip_system]
         self.root = out_dir / "harness" if config.keep_folders else Path(tempfile.mkdtemp(prefix="turnrl-"))
@@ -237,6 +239,9 @@ class HarnessRunner:
         try:
             scores = await asyncio.to_thread(branch_rewards, self.reward, sample, result)
         except RewardError as exc:
+            if str(exc) not in self._reward_errors:  # each on the console once, all in the records
+                self._reward_errors.add(str(exc))
+                log.warning("env.reward: %s (the run's branches end as internal_error)", exc)
             for traj in result.branches:
                 traj.stop_reason, traj.error = StopReason.INTERNAL_ERROR, f"env.reward: {exc}"
             return False

@@ -5,9 +5,10 @@ from __future__ import annotations
 from types import TracebackType
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from turnrl.rollout.collector import starts_a_run
+from turnrl.support.progress import LoggedProgress
 from turnrl.types import Trajectory
 
 
@@ -15,7 +16,7 @@ class TrainProgress:
     """Two bars under the per-step lines: training steps, and the current phase's trajectories."""
 
     def __init__(self, console: Console, steps: int, done: int) -> None:
-        self._progress = Progress(
+        self._progress = LoggedProgress(
             TextColumn("[bold]{task.description:<18}"),
             BarColumn(),
             MofNCompleteColumn(),
