@@ -131,15 +131,21 @@ def test_a_python_callable_agent_whose_module_is_missing_is_found_before_the_mod
 
 
 def test_tools_the_template_cannot_render_are_refused_or_passed_by_tool_parser_never_dropped(
-    smollm2_tokenizer: Any, qwen3_tokenizer: Any, tmp_path: Path
+    qwen3_tokenizer: Any, tmp_path: Path
 ) -> None:
-    """SmolLM2's template renders no tools: a call with tools gets a 400 that names the fix; with
-    ``tool_parser`` set the agent's prompt is taken to teach the format, the call is answered and
-    its textual calls come back as tool calls; both counted in /metrics. Qwen3's renders them."""
+    """A template that renders no tools (SmolLM2's own) drops them: a call with
+    tools gets a 400 that names the fix; with ``tool_parser`` set the agent's prompt is taken to
+    teach the format, the call is answered and its textual calls come back as tool calls; both
+    counted in /metrics. Qwen3's template renders them."""
+    import copy
+
     from openai import BadRequestError, OpenAI
 
     from turnrl.chat.encoder import ChatEncoder
+    from turnrl.models import resolve_model
 
+    smollm2_tokenizer = copy.deepcopy(qwen3_tokenizer)  # Qwen3's tokens, SmolLM2's shipped template
+    smollm2_tokenizer.chat_template = resolve_model("smollm2-135m").chat_template
     assert not ChatEncoder(smollm2_tokenizer).renders_tools and ChatEncoder(qwen3_tokenizer).renders_tools
     call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "alpha"}}\n</tool_call>'
     asked = [{"role": "user", "content": "What is alpha?"}]
