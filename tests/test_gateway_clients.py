@@ -85,7 +85,8 @@ def test_an_anthropic_sdk_agent_with_thinking_and_tools(
 def test_anthropic_errors_come_in_anthropics_schema(qwen3_tokenizer: Any, tmp_path: Path) -> None:
     import anthropic
 
-    gateway = gateway_for(ScriptedEngine(qwen3_tokenizer, ["Hi."]), qwen3_tokenizer, tmp_path)
+    engine = ScriptedEngine(qwen3_tokenizer, ["Hi."])
+    gateway = gateway_for(engine, qwen3_tokenizer, tmp_path, any_model=False)  # the default answers any
     with serving(gateway) as url:
         client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
         with pytest.raises(anthropic.NotFoundError, match="not_found_error"):
