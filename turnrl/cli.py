@@ -22,8 +22,10 @@ from turnrl.types import EngineError
 
 USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, ImportError, OSError, EngineError)
 TRAIN_SECTIONS = ("algorithm", "optim", "train", "eval", "warm_start")
-GATEWAY_ONLY = {"host", "port", "any_model", "api_keys", "api_keys_file", "served_name", "max_session_tokens"}
-GATEWAY_ONLY |= {"max_session_calls", "tool_parser"}
+GATEWAY_ONLY = {  # top-level keys of a gateway config that no run config has
+    *("host", "port", "any_model", "api_keys", "api_keys_file", "served_name"),
+    *("max_session_tokens", "max_session_calls", "tool_parser"),
+}
 
 
 def _fresh(output_dir: str, holds_run: Callable[[Path], bool], console: Console) -> str:

@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from turnrl.rollout.metrics import run_reward
+from turnrl.rollout.metrics import run_of, run_reward
 from turnrl.types import Trajectory
 
 TurnAdvantages = list[list[float]]
@@ -87,18 +87,12 @@ def _per_turn(traj: Trajectory, value: float) -> list[float]:
     return [value] * traj.num_turns
 
 
-def run_key(trajs: Sequence[Trajectory], i: int) -> tuple[str, int]:
-    """The run trajectory ``i`` belongs to: its sample index for a branch of an agent harness
-    session (``info["session"]``); any other trajectory is a run of its own."""
-    return ("session", trajs[i].sample_index) if "session" in trajs[i].info else ("own", i)
-
-
-def run_rewards(trajs: Sequence[Trajectory], members: list[int]) -> dict[tuple[str, int], float]:
-    """Per run of a group, the run's reward: the baseline is over runs, however many branches each
-    left."""
-    out: dict[tuple[str, int], float] = {}
+def run_rewards(trajs: Sequence[Trajectory], members: list[int]) -> dict[tuple[str, int] | int, float]:
+    """Per run of a group (``run_of``), the run's reward: the baseline is over runs, however many
+    branches each left."""
+    out: dict[tuple[str, int] | int, float] = {}
     for i in members:
-        out.setdefault(run_key(trajs, i), run_reward(trajs[i]))
+        out.setdefault(run_of(trajs[i]), run_reward(trajs[i]))
     return out
 
 
@@ -125,7 +119,7 @@ def rloo(trajs: Sequence[Trajectory], options: AdvantageOptions) -> TurnAdvantag
         runs = run_rewards(trajs, members)
         total, n = sum(runs.values()), len(runs)
         for i in members:
-            others = (total - runs[run_key(trajs, i)]) / (n - 1) if n > 1 else 0.0
+            others = (total - runs[run_of(trajs[i])]) / (n - 1) if n > 1 else 0.0
             out[i] = _per_turn(trajs[i], trajs[i].reward - others if n > 1 else 0.0)
     return out
 
