@@ -25,10 +25,12 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 PR_SET_CHILD_SUBREAPER = 36
 PASSES = 64  # rounds of "kill every child, reap": each round takes the orphans of the last one
+KILL_WAIT_S = 2.0  # how long a round waits for the children it killed to be reaped
 
 
 def become_subreaper() -> None:
@@ -51,8 +53,10 @@ def children() -> list[int]:
 
 
 def kill_all() -> None:
-    """SIGKILL every descendant: children first (a killed child's orphans come to this process,
-    a subreaper, and are killed in the next pass), reaping as they go."""
+    """SIGKILL every descendant: children first, each waited for until it is reaped (its orphans
+    come to this process, a subreaper, before it can be reaped, and are killed in the next pass).
+    Not waiting would let a slow death (a large process tearing down its memory on a loaded
+    machine) outlast every pass, and its orphans outlive the keeper."""
     for _ in range(PASSES):
         alive = children()
         if not alive:
@@ -60,8 +64,19 @@ def kill_all() -> None:
         for pid in alive:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        list(reaped())
+        _reap_killed(set(alive))
     list(reaped())
+
+
+def _reap_killed(pids: set[int], limit_s: float = KILL_WAIT_S) -> None:
+    """Reap ``pids`` (killed) and whatever else ended, for at most ``limit_s`` seconds (a process
+    stuck in the kernel may not die at once: the next pass, or the process group kill, takes it)."""
+    deadline = time.monotonic() + limit_s
+    while pids and time.monotonic() < deadline:
+        pids -= {pid for pid, _ in reaped()}
+        pids &= set(children())  # reaped by someone else, or gone: not waited for
+        if pids:
+            time.sleep(0.001)
 
 
 def reaped() -> Iterator[tuple[int, int]]:
@@ -105,12 +120,12 @@ def keep_forked(run: Callable[[], int]) -> None:
     """In a run forked by the fork server (the run's session leader): fork once more, ``run`` in
     the grandchild, and keep it from here; never returns."""
     become_subreaper()
+    signal.signal(signal.SIGTERM, _on_term)  # before the fork: a stop that comes early still kills the run
     pid = os.fork()
     if pid == 0:
         os.setsid()  # the agent leads its own session, as a new process would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os._exit(run())
-    signal.signal(signal.SIGTERM, _on_term)
     end(wait_for(pid))
 
 
@@ -183,6 +198,7 @@ def main(args: list[str]) -> None:
     confine(cgroups, limits)
     become_subreaper()
     listener = listen(bridge[0]) if bridge else None  # before the agent starts: no race
+    signal.signal(signal.SIGTERM, _on_term)  # before the fork (exec resets it in the agent)
     pid = os.fork()
     if pid == 0:
         if listener is not None:
@@ -193,7 +209,6 @@ def main(args: list[str]) -> None:
         except OSError as exc:
             os.write(2, f"cannot start {argv[0]!r}: {exc.strerror or exc}\n".encode())
             os._exit(127)
-    signal.signal(signal.SIGTERM, _on_term)
     if listener is not None and bridge is not None:
         threading.Thread(target=_bridge, args=(listener, bridge[1]), daemon=True).start()
     end(wait_for(pid))
