@@ -22,7 +22,10 @@ from openai import BadRequestError, NotFoundError, OpenAI
 
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.gateway import Reason, read_branches
+from turnrl.rollout.codec import trajectory_to_json
 from turnrl.rollout.finish import check_metrics
+from turnrl.train.advantages import AdvantageOptions, grpo
+from turnrl.types import StopReason
 
 
 def agent_loop(client: OpenAI, **extra: Any) -> list[dict[str, Any]]:
@@ -58,6 +61,11 @@ def test_an_openai_sdk_tool_agent_is_recorded_exactly(qwen3_tokenizer: Any, tmp_
     on_disk = read_branches(tmp_path / "calls.jsonl")
     assert len(on_disk) == 1 and on_disk[0].input_ids == traj.input_ids
     assert on_disk[0].loss_mask == traj.loss_mask and on_disk[0].rollout_logprobs == traj.rollout_logprobs
+    # how its last reply ended, and no reward: nothing scored it, and training says so
+    assert on_disk[0].stop_reason == StopReason.MODEL_STOP and on_disk[0].reward is None
+    assert trajectory_to_json(on_disk[0])["reward"] is None
+    with pytest.raises(ValueError, match="trajectory 'agent-1/0' has no reward: nothing scored it"):
+        grpo(on_disk, AdvantageOptions())
 
 
 def test_a_streamed_reply_carries_the_same_calls(qwen3_tokenizer: Any, tmp_path: Path) -> None:

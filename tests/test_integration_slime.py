@@ -327,6 +327,7 @@ def test_every_stop_reason_maps_to_a_slime_status(stop: StopReason) -> None:
         StopReason.AGENT_ERROR: "FAILED",
         StopReason.AGENT_TIMEOUT: "FAILED",
         StopReason.ABORTED: "ABORTED",
+        StopReason.MODEL_STOP: "COMPLETED",
     }[stop]
     assert status_name(stop) == expected
     traj = Trajectory("s/0", "s", "d", stop, [1, 2], [3, 4, 5], [1, 0, 1], [-0.5, 0.0, -0.25])

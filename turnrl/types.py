@@ -64,6 +64,7 @@ class StopReason(StrEnum):
     AGENT_DONE = "agent_done"  # a harness run: the agent's process exited 0
     AGENT_ERROR = "agent_error"  # a harness run: the agent exited non-zero, did not start, or never called
     AGENT_TIMEOUT = "agent_timeout"  # a harness run: the agent outran env.timeout_s and was killed
+    MODEL_STOP = "model_stop"  # a recorded session's branch: its last reply ended at the model's own stop
 
     @property
     def truncated(self) -> bool:
@@ -121,7 +122,7 @@ class Trajectory:
     rollout_logprobs: list[float] = field(default_factory=list)  # per response token (0.0 where mask is 0)
     turns: list[Turn] = field(default_factory=list)  # response segments in order, spans into response_ids
     messages: list[Message] = field(default_factory=list)  # the conversation (prompt + every turn)
-    reward: float = 0.0  # final scalar reward for the whole trajectory
+    reward: float | None = 0.0  # final scalar reward for the whole trajectory (None: nothing scored it)
     turn_rewards: list[float] = field(default_factory=list)  # env reward per model turn
     num_turns: int = 0  # number of model turns
     metrics: dict[str, Any] = field(default_factory=dict)  # timings, counts, sanity check results
@@ -136,6 +137,16 @@ class Trajectory:
     def truncated(self) -> bool:
         """True when the episode was cut short (max_turns, token_budget, length)."""
         return self.stop_reason.truncated
+
+    @property
+    def score(self) -> float:
+        """``reward`` as the number training needs; a ValueError names a trajectory nothing scored
+        (a recorded session's branch read with ``read_branches``: its reward is None until set)."""
+        if self.reward is None:
+            raise ValueError(
+                f"trajectory {self.id!r} has no reward: nothing scored it (set traj.reward before training)"
+            )
+        return self.reward
 
     @property
     def input_ids(self) -> list[int]:

@@ -92,7 +92,7 @@ async def evaluate_config(
                 if traj.stop_reason in FAILURES:  # its 0 says nothing of the model
                     failed.append(traj)
                 else:
-                    seen.append(traj.reward)
+                    seen.append(traj.score)
                 mean = f"{sum(seen) / len(seen):.3f}" if seen else "-"
                 bar.update(task, advance=1, reward=mean, failed=len(failed))
 

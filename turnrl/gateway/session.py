@@ -57,6 +57,16 @@ class Reason(StrEnum):
     SAMPLE = "sample"  # another of the n replies one request asked for (same prompt, its own sample)
 
 
+REPLY_STOPS = {"stop": StopReason.MODEL_STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED}
+
+
+def reply_stop(finish_reason: str) -> StopReason:
+    """A recorded branch's stop reason, how its last reply ended: the model's own stop
+    (``model_stop``), its max_tokens (``length``) or an abort (``aborted``). A harness run's
+    branches take the run's instead (``agent_done``, ``agent_error``, ``agent_timeout``)."""
+    return REPLY_STOPS.get(finish_reason, StopReason.MODEL_STOP)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """Where a branch stood at one call: its request's messages and tokens, and after the reply."""
@@ -320,7 +330,7 @@ class Session:
         record.turns[-1].info["call"] = self.calls  # its place among the session's calls
         record.messages.append(sampled_message(text, reply.parsed.calls, reply.call_ids))
         branch.episode.timings["time/generate"] += seconds
-        branch.episode.stop = StopReason.LENGTH if gen.finish_reason == "length" else StopReason.ENV_DONE
+        branch.episode.stop = reply_stop(gen.finish_reason)
         branch.seen = [*plan.messages, reply.message]
         branch.checkpoints.append(
             Checkpoint(

@@ -19,10 +19,10 @@ from typing import Any
 
 from turnrl.chat.encoder import Encoded
 from turnrl.gateway.forest import train_once
-from turnrl.gateway.session import Plan, Reply, copy_record
+from turnrl.gateway.session import Plan, Reply, copy_record, reply_stop
 from turnrl.rollout.collector import JsonlWriter
 from turnrl.rollout.episode import Episode
-from turnrl.types import Generation, Message, Sample, StopReason, Trajectory
+from turnrl.types import Generation, Message, Sample, Trajectory
 from turnrl.vision.content import count_images, load_image, messages_from_json, messages_to_json
 from turnrl.vision.processor import ImageInput
 
@@ -162,10 +162,11 @@ def read_branches(path: Path, self_contained: bool = False) -> list[Trajectory]:
         calls[call["session"]] = calls.get(call["session"], 0) + 1
         episode.record.messages.append(call["sampled_message"])
         tool_calls[where] = tool_calls.get(where, 0) + len(call["reply"].get("tool_calls") or ())
-        episode.stop = StopReason.LENGTH if call["finish_reason"] == "length" else StopReason.ENV_DONE
+        episode.stop = reply_stop(call["finish_reason"])
     out = []
     for (session, index), episode in episodes.items():
         traj = episode.trajectory()
+        traj.reward = None  # nothing scored a recorded session: the caller's reward sets it
         traj.info |= {"session": session, "branch": index, **links[(session, index)]}
         traj.info["num_tool_calls"] = tool_calls.get((session, index), 0)
         out.append(traj)

@@ -258,6 +258,6 @@ def tracked_reward(by_source: Mapping[str, RewardFn]) -> RewardFn:
 
 def computed_reward(traj: Trajectory) -> float | None:
     """The trajectory's reward when turnrl computed one (see ``tracked_reward``), else None."""
-    if REWARD_SOURCE not in traj.metrics or not math.isfinite(traj.reward):
+    if REWARD_SOURCE not in traj.metrics or traj.reward is None or not math.isfinite(traj.reward):
         return None
     return float(traj.reward)

@@ -80,7 +80,9 @@ OWNED = frozenset(
         "custom_params",  # asks for top-p replay data, which turnrl does not record
     }
 )
-COMPLETED = frozenset({StopReason.ENV_DONE, StopReason.NO_TOOL_CALL, StopReason.AGENT_DONE})
+COMPLETED = frozenset(
+    {StopReason.ENV_DONE, StopReason.NO_TOOL_CALL, StopReason.AGENT_DONE, StopReason.MODEL_STOP}
+)
 FAILED = FAILURES
 TIMEOUT_S = 3600.0  # one /generate request
 

@@ -22,7 +22,7 @@ def run_of(traj: Trajectory) -> tuple[str, int] | int:
 def run_reward(traj: Trajectory) -> float:
     """The reward of the run ``traj`` belongs to: its branches' own may differ (a reward that scored
     branches); the run's is ``info["run_reward"]`` (else the trajectory's)."""
-    return float(traj.info.get("run_reward", traj.reward))
+    return float(traj.info.get("run_reward", traj.score))
 
 
 def runs(trajs: Iterable[Trajectory]) -> dict[tuple[str, int] | int, list[Trajectory]]:
@@ -101,7 +101,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     for t in trajs:
         _add(failures, t.metrics.get("env_failures", {}).items())
         _add(info, ((k, v) for k, v in t.info.items() if k in TOOL_COUNTS))
-        by_source.setdefault(t.data_source, []).append(t.reward)
+        by_source.setdefault(t.data_source, []).append(t.score)
     count = len(trajs)
     return {
         "trajectories": count,

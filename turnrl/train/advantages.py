@@ -106,7 +106,7 @@ def grpo(trajs: Sequence[Trajectory], options: AdvantageOptions) -> TurnAdvantag
             score = 0.0
             if len(runs) > 1:
                 scale = statistics.stdev(runs) + options.eps if options.normalize_std else 1.0
-                score = (trajs[i].reward - statistics.fmean(runs)) / scale
+                score = (trajs[i].score - statistics.fmean(runs)) / scale
             out[i] = _per_turn(trajs[i], score)
     return out
 
@@ -120,7 +120,7 @@ def rloo(trajs: Sequence[Trajectory], options: AdvantageOptions) -> TurnAdvantag
         total, n = sum(runs.values()), len(runs)
         for i in members:
             others = (total - runs[run_of(trajs[i])]) / (n - 1) if n > 1 else 0.0
-            out[i] = _per_turn(trajs[i], trajs[i].reward - others if n > 1 else 0.0)
+            out[i] = _per_turn(trajs[i], trajs[i].score - others if n > 1 else 0.0)
     return out
 
 
@@ -131,7 +131,7 @@ def returns(traj: Trajectory, gamma: float) -> list[float]:
     out, later = [0.0] * len(rewards), 0.0
     for k in reversed(range(len(rewards))):
         later = rewards[k] + gamma * later
-        out[k] = traj.reward + later
+        out[k] = traj.score + later
     return out
 
 

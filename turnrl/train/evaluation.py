@@ -81,11 +81,11 @@ def _row(source: str, groups: list[list[Trajectory]], ks: Sequence[int], pass_re
         source,
         prompts=len(groups),
         trajectories=sum(len(g) for g in groups),
-        reward=estimate([statistics.fmean(t.reward for t in g) for g in groups]),
+        reward=estimate([statistics.fmean(t.score for t in g) for g in groups]),
     )
     for k in ks:
         if k <= size:  # every prompt has at least k trajectories
-            passes = [pass_at_k(len(g), sum(t.reward >= pass_reward for t in g), k) for g in groups]
+            passes = [pass_at_k(len(g), sum(t.score >= pass_reward for t in g), k) for g in groups]
             row.pass_at[k] = estimate(passes, (0.0, 1.0))
     return row
 
@@ -100,7 +100,7 @@ def one_per_run(trajs: Sequence[Trajectory]) -> list[Trajectory]:
             out.append(traj)
         elif (traj.group_id, traj.sample_index) not in seen:
             seen.add((traj.group_id, traj.sample_index))
-            out.append(dataclasses.replace(traj, reward=float(traj.info.get("run_reward", traj.reward))))
+            out.append(dataclasses.replace(traj, reward=float(traj.info.get("run_reward", traj.score))))
     return out
 
 

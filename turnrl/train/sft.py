@@ -75,7 +75,7 @@ async def replay(
 
 async def demonstrations(samples: Sequence[Sample], demos: Demos, spec: RolloutSpec) -> list[Trajectory]:
     """The replayed demonstrations the env rewards (``reward > 0``)."""
-    return [traj for traj in await replay(samples, demos, spec) if traj.reward > 0]
+    return [traj for traj in await replay(samples, demos, spec) if traj.score > 0]
 
 
 def sft_epochs(
@@ -175,7 +175,7 @@ async def warm_start(
         progress.phase("warm start: replay", len(samples))
     done = progress.trajectory_done if progress is not None else None
     played = await replay(samples, import_object(cfg.demos, "warm_start.demos"), spec, done)
-    trajs = [traj for traj in played if traj.reward > 0]
+    trajs = [traj for traj in played if traj.score > 0]
     if not trajs:
         stops = Counter(t.stop_reason.value for t in played)
         raise ValueError(

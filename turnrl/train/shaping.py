@@ -49,7 +49,7 @@ def shape_overlong(
         if cut:
             penalized += 1
             total += cut
-            traj = dataclasses.replace(traj, reward=traj.reward + cut)
+            traj = dataclasses.replace(traj, reward=traj.score + cut)
         if mask_truncated and traj.stop_reason in CUT_BY_LENGTH:
             masked += 1
             traj = dataclasses.replace(traj, loss_mask=[0] * len(traj.loss_mask))
@@ -67,7 +67,7 @@ def varied_groups(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
     kept: list[Trajectory] = []
     flat = 0
     for members in groups(trajs).values():
-        rewards = {trajs[i].reward for i in members}
+        rewards = {trajs[i].score for i in members}
         if len(rewards) > 1:
             kept += [trajs[i] for i in members]
         else:
