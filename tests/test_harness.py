@@ -765,3 +765,40 @@ def test_overlapped_training_keeps_agents_running_while_the_trainer_steps(tmp_pa
     trajs = [t for step in (1, 2, 3) for t in read_trajectories(out / "rollouts" / f"step_{step:06d}.jsonl")]
     versions = {v for t in trajs for v in t.policy_versions if v >= 0}
     assert versions >= {0, 1}  # each token carries the weight version the gateway's engine sampled it with
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["demonstrated", "wrong tool"])
+def test_the_calculator_recipe_scores_its_demonstrations_and_only_them(
+    qwen3_tokenizer: Any, tmp_path: Path, right: bool
+) -> None:
+    """docs/gateway.md's from-scratch recipe, as shipped: the calculator agent's two tools reach
+    the model through its prompt, a hermes reply comes back as a tool call the agent runs, and the
+    reward reads the answer file it wrote: the demonstrated replies score 1.0, the other tool 0.0."""
+    add_search_path(LOOKUP)
+    import calc_task
+
+    config = yaml.safe_load((LOOKUP / "train_calc.yaml").read_text())
+    [row] = [r for r in calc_task.dataset(8, seed=3) if r["metadata"]["op"] == "multiply"][:1]
+    sample = Sample(row["id"], [{"role": "user", "content": row["prompt"]}], metadata=row["metadata"])
+    replies = calc_task.demonstration(sample)
+    if not right:  # the sum where a product was asked: the tool's own answer, and still wrong
+        meta = row["metadata"]
+        replies = [replies[0].replace("multiply", "add"), f"<answer>{meta['a'] + meta['b']}</answer>"]
+    harness = {**config["env"], "command": ["python", str(LOOKUP / "calc_agent.py"), "{prompt}"]}
+    engine = Recorder(ScriptedEngine(qwen3_tokenizer, replies))
+    runner = HarnessRunner(
+        HarnessConfig.model_validate(harness),
+        engine,
+        ChatEncoder(qwen3_tokenizer),
+        get_parser("hermes"),
+        "m",
+        tmp_path,  # type: ignore[arg-type]
+    )
+    [traj] = run_once(runner, sample)
+    assert traj.stop_reason == StopReason.AGENT_DONE and traj.num_turns == 2
+    assert traj.reward == (1.0 if right else 0.0)
+    tool_result = traj.messages[-2]  # what the agent's tool returned, in the conversation trained on
+    meta = row["metadata"]
+    assert tool_result["role"] == "tool"
+    assert tool_result["content"] == str(meta["a"] * meta["b"] if right else meta["a"] + meta["b"])
+    assert_exact(traj, engine.seen)
