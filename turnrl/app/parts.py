@@ -15,6 +15,7 @@ from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.env.rewards import Rewards
 from turnrl.models import load_vision_processor, vocab_size
 from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.errors import describe
 from turnrl.support.imports import import_object
 from turnrl.types import Engine, Sample
 
@@ -48,7 +49,7 @@ def _generated(generator: Any, data: DataConfig) -> Iterator[dict[str, Any]]:
     try:
         yield from generator(**data.kwargs)
     except Exception as exc:
-        raise RunError(f"data.generator {data.generator} failed: {type(exc).__name__}: {exc}") from None
+        raise RunError(f"data.generator {data.generator} failed: {describe(exc)}") from None
 
 
 def env_inputs(env: AnyEnvConfig) -> tuple[EnvEntry | None, EnvFactory]:

@@ -16,6 +16,7 @@ from turnrl.app.parts import EnvRouter, RunError
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import AnyEnvConfig, HarnessConfig
 from turnrl.env.base import Env, EnvFactory
+from turnrl.support.errors import describe
 from turnrl.support.imports import import_object
 from turnrl.types import Sample
 
@@ -38,7 +39,7 @@ def check_env(name: str, factory: EnvFactory, first: Sample) -> None:
     try:
         env = factory(first)
     except Exception as exc:
-        raise RunError(f"env {name!r} cannot be built: {type(exc).__name__}: {exc}") from None
+        raise RunError(f"env {name!r} cannot be built: {describe(exc)}") from None
     if not isinstance(env, Env):
         raise RunError(
             f"env {name!r} made a {type(env).__name__}, not a turnrl Env: subclass turnrl.Env "
@@ -75,9 +76,7 @@ def check_template(encoder: ChatEncoder, first: Sample) -> None:
     try:
         ids = encoder.conversation().prompt(list(first.prompt)).ids
     except Exception as exc:
-        raise RunError(
-            f"the chat template cannot render the first prompt: {type(exc).__name__}: {exc}"
-        ) from None
+        raise RunError(f"the chat template cannot render the first prompt: {describe(exc)}") from None
     if not ids:
         raise RunError("the chat template renders the first prompt as no tokens at all: check chat.template")
 

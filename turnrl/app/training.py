@@ -31,6 +31,7 @@ from turnrl.engines.hf import HFEngine
 from turnrl.models import ModelSpec, load_model, load_tokenizer, load_vision_processor, resolve_model
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.errors import describe
 from turnrl.support.run_folder import FAILED, put_back, release
 from turnrl.support.stopping import bounded_stops
 from turnrl.train.checkpoint import Resumed, latest, restore_training_state
@@ -202,7 +203,7 @@ def server_engine(config: TrainConfig, e: VLLMEngineConfig, console: Console, ra
             engine = start()
             shared = server_urls(engine)
         except Exception as exc:  # told to every rank, which all stop with it
-            shared = f"{type(exc).__name__}: {exc}"
+            shared = describe(exc)
     urls = gather(shared, ranks)[0]
     if not isinstance(urls, list):
         raise EngineError(f"the first rank's vLLM servers did not start: {urls}")

@@ -6,6 +6,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from turnrl.support.errors import describe
 from turnrl.types import Message
 
 
@@ -58,7 +59,7 @@ class ChatTemplate:
                 **self.kwargs,
             )
         except Exception as exc:  # jinja raises many kinds
-            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+            raise ChatTemplateError(f"chat template failed: {describe(exc)}") from exc
         return str(text)
 
     def encode(self, text: str, literal: bool = False) -> list[int]:

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from turnrl.support.errors import describe
+
 
 @dataclass(frozen=True)
 class EngineEntry:
@@ -121,7 +123,7 @@ class EngineRegistry:
         except ActorDiedError as exc:
             return False, True, f"actor died: {exc}".splitlines()[0]
         except Exception as exc:
-            return False, False, f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return False, False, describe(exc).splitlines()[0]
         return True, False, ""
 
     async def _probe_server(self, entry: EngineEntry) -> tuple[bool, bool, str]:
@@ -131,7 +133,7 @@ class EngineRegistry:
             async with httpx.AsyncClient(timeout=self.health_timeout_s, trust_env=False) as client:
                 response = await client.get(f"{entry.url.rstrip('/')}/health")
         except httpx.HTTPError as exc:
-            return False, False, f"{type(exc).__name__}: {exc}"
+            return False, False, describe(exc)
         if response.status_code != 200:
             return False, False, f"/health answered {response.status_code}"
         return True, False, ""

@@ -24,6 +24,7 @@ from turnrl.distributed.ray_engines import (
 )
 from turnrl.distributed.registry import EngineEntry
 from turnrl.engines.balancer import BalancedEngine, EngineStats
+from turnrl.support.errors import describe
 from turnrl.types import Engine, Generation, SamplingParams, Weights, as_updatable
 
 ServerFactory = Callable[[EngineEntry], Engine]
@@ -145,7 +146,7 @@ class RegistryEngine:
         try:
             await self.refresh()
         except Exception as exc:  # the registry is unreachable: keep balancing over the last list
-            self.refresh_error = f"{type(exc).__name__}: {exc}"
+            self.refresh_error = describe(exc)
 
     async def _apply(self, entries: Sequence[EngineEntry]) -> bool:
         """Follow the registry's list: retire what left or changed, add what joined.

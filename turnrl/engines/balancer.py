@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.engines.http import ServerError
+from turnrl.support.errors import describe
 from turnrl.types import (
     Engine,
     EngineError,
@@ -253,7 +254,7 @@ class BalancedEngine:
         """Keep new requests off a failed engine for the cool-off."""
         stats = self.stats[index]
         stats.failures += 1
-        stats.last_error = f"{type(exc).__name__}: {exc}"
+        stats.last_error = describe(exc)
         stats.down_until = time.monotonic() + self.cooloff_s
 
     async def _call(

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from turnrl.support.errors import describe
 from turnrl.types import EngineError, FinishReason, Generation
 
 T = TypeVar("T")
@@ -132,9 +133,7 @@ class JsonClient:
         except (TimeoutError, httpx.TimeoutException):
             raise ServerError(f"POST {self.base_url}{path}: no event for {self.timeout_s:g}s") from None
         except httpx.TransportError as exc:
-            raise ServerError(
-                f"POST {self.base_url}{path}: stream cut ({type(exc).__name__}: {exc})"
-            ) from None
+            raise ServerError(f"POST {self.base_url}{path}: stream cut ({describe(exc)})") from None
         except ValueError:
             raise RequestError(f"POST {self.base_url}{path}: invalid JSON in an event") from None
         finally:

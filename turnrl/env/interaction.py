@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from turnrl.support.errors import describe
 from turnrl.support.imports import ImportSpecError, import_object
 from turnrl.tools.files import file_version, read_data_file
 from turnrl.types import Sample
@@ -88,7 +89,7 @@ def _build(entry: Any, index: int) -> Interaction:
     try:
         interaction = cls(config)
     except Exception as exc:
-        why = f"{type(exc).__name__}: {exc}"
+        why = describe(exc)
         raise InteractionError(f"interaction[{index}] ({class_name}) cannot be built: {why}") from None
     missing = [
         m for m in ("start_interaction", "generate_response") if not callable(getattr(interaction, m, None))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnrl.env.base import Env
+from turnrl.support.errors import describe
 from turnrl.types import Sample, Trajectory
 
 
@@ -89,7 +90,7 @@ class Rewards:
         except Exception as exc:
             values = [0.0] * len(group)
             for traj in group:
-                traj.metrics["reward_error"] = f"group reward: {type(exc).__name__}: {exc}"
+                traj.metrics["reward_error"] = f"group reward: {describe(exc)}"
         for traj, value in zip(group, values, strict=True):
             traj.metrics["reward/per_trajectory"] = traj.reward
             traj.reward = value

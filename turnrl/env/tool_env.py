@@ -13,6 +13,7 @@ from typing import Any
 from turnrl.env.base import Env
 from turnrl.env.caps import cap_text
 from turnrl.env.interaction import Interaction, call_optional, choose
+from turnrl.support.errors import describe
 from turnrl.tools.base import BaseTool, ToolCall, ToolError, ToolOutput, as_tool_output
 from turnrl.tools.parsers import ToolParser, get_parser
 from turnrl.types import Message, Sample, StepResult, StopReason, Trajectory
@@ -194,7 +195,7 @@ class ToolEnv(Env):
             if isinstance(e, TimeoutError) and timeout.expired():
                 return _error(f"Error: tool '{call.name}' timed out after {self.tool_timeout_s:g} s")
             logger.debug("tool '%s' raised", call.name, exc_info=True)
-            return _error(f"Error: tool '{call.name}' raised {type(e).__name__}: {e}")
+            return _error(f"Error: tool '{call.name}' raised {describe(e)}")
 
     def _kwargs(self, tool_name: str, key: str) -> dict[str, Any]:
         """``sample.tools_kwargs[tool_name][key]``, or an empty dict."""

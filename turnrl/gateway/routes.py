@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from turnrl.gateway import anthropic_messages, openai_chat, openai_responses
 from turnrl.gateway.call import ApiError, ChatRequest, Completed
 from turnrl.gateway.server import Gateway
+from turnrl.support.errors import describe
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_SESSION = "default"
@@ -122,7 +123,7 @@ async def _guarded(
         return JSONResponse(error_body(error), status_code=400)
     except Exception as exc:  # the server goes on
         gateway.counts["errors"] += count
-        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        error = ApiError(500, f"internal error: {describe(exc)}", "server_error")
         return JSONResponse(error_body(error), status_code=500)
 
 

@@ -23,6 +23,7 @@ from turnrl.gateway.messages import BadMessage, check_call_ids
 from turnrl.gateway.session import Plan, Reason, Reply, Session
 from turnrl.gateway.store import CallLog, call_record
 from turnrl.rollout.generation import request_seed
+from turnrl.support.errors import describe
 from turnrl.tools.parser_base import ToolParser
 from turnrl.types import (
     CURRENT_TURN,
@@ -197,7 +198,7 @@ class Gateway:
             self.counts["aborted"] += 1
             raise
         except Exception as exc:
-            raise ApiError(503, f"the engine failed: {type(exc).__name__}: {exc}", "server_error") from None
+            raise ApiError(503, f"the engine failed: {describe(exc)}", "server_error") from None
         finally:
             self._generating -= 1
             async with self._idle:
@@ -240,7 +241,7 @@ class Gateway:
         except NoVisionError as exc:
             raise ApiError(400, f"{exc} ({self.model} reads text only)", param="messages") from None
         except Exception as exc:  # the chat template raised on these messages
-            message = f"the chat template cannot render these messages: {type(exc).__name__}: {exc}"
+            message = f"the chat template cannot render these messages: {describe(exc)}"
             raise ApiError(400, message, param="messages") from None
 
     def _sampling(

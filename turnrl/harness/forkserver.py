@@ -38,6 +38,7 @@ from types import TracebackType
 from typing import Any
 
 from turnrl.harness.keeper import keep_forked, reaped
+from turnrl.support.errors import describe
 
 
 def forkable(argv: list[str]) -> list[str] | None:
@@ -269,7 +270,7 @@ def main() -> None:
                 getattr(imported, function)()
         except Exception as exc:  # any failure is one line
             did = "failed" if function else "did not import"
-            _say({"error": f"env.preload: {name!r} {did}: {type(exc).__name__}: {exc}"})
+            _say({"error": f"env.preload: {name!r} {did}: {describe(exc)}"})
             sys.exit(2)
     for folder in search:  # a run's own sys.path is a new process's
         sys.path.remove(folder)

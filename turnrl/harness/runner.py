@@ -46,6 +46,7 @@ from turnrl.harness.sandbox import BubblewrapRuntime
 from turnrl.harness.serving import Served, serve
 from turnrl.rollout.episode import failed_trajectory
 from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.errors import describe
 from turnrl.support.imports import import_object, search_path
 from turnrl.tools.parser_base import ToolParser
 from turnrl.tools.parsers import get_parser
@@ -154,7 +155,7 @@ class HarnessRunner:
             exit = await run_agent(launch, run_dir / "agent", self.config.timeout_s, self.forks)
             return await self._score(sample, index, name, exit, folder, run_dir)
         except Exception as exc:  # the folder or the setup hook failed: the run did not happen
-            error = f"the harness run could not start: {type(exc).__name__}: {exc}"
+            error = f"the harness run could not start: {describe(exc)}"
             return [failed_trajectory(sample, index, error, StopReason.AGENT_ERROR)]
         finally:
             self.gateway.close_session(name)

@@ -45,9 +45,10 @@ from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.env.rewards import RewardFn, Rewards
 from turnrl.integrations.prompt_index import ID_FIELD, PromptIndex, tag_prompt
 from turnrl.rollout.collector import JsonlWriter
-from turnrl.rollout.episode import describe, failed_trajectory
+from turnrl.rollout.episode import failed_trajectory
 from turnrl.rollout.loop import run_trajectory
 from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.errors import describe
 from turnrl.support.openmp import release_pool
 from turnrl.types import Engine, Limits, Sample, SamplingParams, StopReason, Trajectory
 

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from turnrl.rollout.codec import json_line, trajectory_from_json, trajectory_to_json
-from turnrl.rollout.episode import describe, failed_trajectory
+from turnrl.rollout.episode import failed_trajectory
 from turnrl.rollout.loop import run_trajectory
 from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.errors import describe
 from turnrl.types import Sample, StopReason, Trajectory, as_abortable
 
 OnDone = Callable[[Trajectory], None]
@@ -216,7 +217,7 @@ def recover(path: Path, say: Callable[[str], None] | None = None) -> tuple[list[
             dropped += 1
             corrupt.append(line)
             if say is not None:
-                why = exc.msg if isinstance(exc, json.JSONDecodeError) else f"{type(exc).__name__}: {exc}"
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else describe(exc)
                 kept = f"kept in {path.name}.corrupt"
                 say(f"{path}:{number}: a corrupt record ({why}): {kept}, its trajectory runs again")
             continue

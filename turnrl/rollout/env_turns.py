@@ -13,8 +13,8 @@ from typing import Any
 from turnrl.env.base import Env
 from turnrl.env.caps import cap_messages
 from turnrl.rollout import env_calls
-from turnrl.rollout.episode import describe
 from turnrl.rollout.spec import Play
+from turnrl.support.errors import describe
 from turnrl.types import Limits, Message, StepResult, StopReason, Turn
 
 
@@ -72,7 +72,7 @@ async def call_with_retries(
         except BadReturn as exc:
             kind, message = "bad_return", str(exc)
         except Exception as exc:
-            kind, message = type(exc).__name__, f"{type(exc).__name__}: {exc}"
+            kind, message = type(exc).__name__, describe(exc)
         failures[kind] = failures.get(kind, 0) + 1
         errors.append(message)
     raise EnvFailure(f"env failed {len(errors)} times; last: {errors[-1]}", len(errors))

@@ -14,11 +14,6 @@ from turnrl.rollout.record import ResponseRecord
 from turnrl.types import Sample, StopReason, Trajectory
 
 
-def describe(exc: BaseException) -> str:
-    """An exception as one line: its type and message."""
-    return f"{type(exc).__name__}: {exc}"
-
-
 @dataclass
 class Episode:
     """One trajectory in the making."""

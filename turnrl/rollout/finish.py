@@ -10,8 +10,8 @@ from turnrl.chat.check import CheckMode
 from turnrl.chat.encoder import ConversationEncoder
 from turnrl.env.rewards import RewardContext
 from turnrl.rollout import env_calls
-from turnrl.rollout.episode import describe
 from turnrl.rollout.spec import Play
+from turnrl.support.errors import describe
 from turnrl.types import StopReason, Trajectory
 from turnrl.vision.processor import ImageInput
 
@@ -77,7 +77,7 @@ def check_metrics(
             images=images,
         )
     except Exception as exc:  # a template that cannot render the final messages
-        traj.metrics["check/error"] = f"{type(exc).__name__}: {exc}"
+        traj.metrics["check/error"] = describe(exc)
     else:
         traj.metrics["check/ok"] = result.ok
         traj.metrics["check/mismatches"] = result.mismatches

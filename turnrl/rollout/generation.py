@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.env_turns import assistant_message, budget
-from turnrl.rollout.episode import describe
 from turnrl.rollout.record import ResponseRecord
 from turnrl.rollout.spec import Play, RolloutSpec
+from turnrl.support.errors import describe
 from turnrl.types import CURRENT_TURN, Generation, Sample, StopReason, Turn, TurnContext
 
 

@@ -11,10 +11,11 @@ import dataclasses
 import zlib
 
 from turnrl.rollout import env_turns
-from turnrl.rollout.episode import Episode, describe
+from turnrl.rollout.episode import Episode
 from turnrl.rollout.finish import finish
 from turnrl.rollout.generation import model_turn, request_seed
 from turnrl.rollout.spec import Play, RolloutSpec, TurnHook
+from turnrl.support.errors import describe
 from turnrl.types import Sample, StopReason, Trajectory
 
 __all__ = ["RolloutSpec", "TurnHook", "env_seed", "request_seed", "run_trajectory"]

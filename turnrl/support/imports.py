@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from turnrl.support.errors import describe
+
 
 class ImportSpecError(ValueError):
     """A ``module:attribute`` string that does not resolve."""
@@ -53,7 +55,7 @@ def import_object(spec: str, what: str = "object") -> Any:
             raise ImportSpecError(f"{what} {spec!r} could not be imported: {exc}") from None
         raise ImportSpecError(f"{what} {spec!r}: no module named {exc.name!r} ({_where()})") from None
     except Exception as exc:
-        raise ImportSpecError(f"{what} {spec!r} could not be imported: {type(exc).__name__}: {exc}") from None
+        raise ImportSpecError(f"{what} {spec!r} could not be imported: {describe(exc)}") from None
     try:
         obj = module
         for part in attr.split("."):

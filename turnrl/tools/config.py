@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from turnrl.support.errors import describe
 from turnrl.support.imports import ImportSpecError, import_object
 from turnrl.tools.base import BaseTool, ToolSchema, normalize_schema
 from turnrl.tools.files import read_data_file
@@ -90,7 +91,7 @@ def _build_tool(entry: Any, index: int) -> BaseTool:
     except ToolConfigError:
         raise
     except Exception as e:
-        raise ToolConfigError(f"{where}: cannot build the tool: {type(e).__name__}: {e}") from e
+        raise ToolConfigError(f"{where}: cannot build the tool: {describe(e)}") from e
     return tool
 
 
