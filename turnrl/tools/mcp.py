@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnrl.support.errors import describe
 from turnrl.tools.base import BaseTool, ToolError, ToolOutput, ToolSchema
 from turnrl.tools.files import read_data_file
 
@@ -239,7 +240,7 @@ def _reason(exc: BaseException) -> str:
     """An exception as a short reason (an exception group: its first leaf)."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return describe(exc) if str(exc) else type(exc).__name__
 
 
 def function_schema(tool: Any, name: str | None = None) -> ToolSchema:
