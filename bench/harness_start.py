@@ -6,7 +6,8 @@ started (user + system, from ``RUSAGE_CHILDREN``); the fork server's own start i
 (no run) and taken off. No model is involved: the agent makes no call.
 
     .venv/bin/python bench/harness_start.py [--runs 20]
-    .venv/bin/python bench/harness_start.py --sandbox   # wall per run, bubblewrap sandbox on and off
+    .venv/bin/python bench/harness_start.py --sandbox   # wall per run, bubblewrap sandbox on and off,
+                                                        # new processes and forked runs
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,6 +88,44 @@ def launched(agent: Path, folder: Path, runs: int, sandboxed: bool) -> float:
     return (time.perf_counter() - t0) / runs
 
 
+def forked_launched(agent: Path, folder: Path, runs: int, sandboxed: bool) -> float:
+    """Wall seconds per run of ``agent`` forked by the harness's fork server (``env.preload``), as
+    ``run_agent`` starts it: each run in a sandbox of its own entered after the fork (the server in
+    a sandbox too), or not (``sandbox: none``); the server's start is not counted."""
+    from turnrl.config import SandboxConfig
+    from turnrl.harness.process import run_agent
+    from turnrl.harness.runtime import LocalRuntime, Runtime
+    from turnrl.harness.sandbox import BubblewrapRuntime
+
+    root = folder / "runs"
+    root.mkdir(exist_ok=True)
+    runtime: Runtime = LocalRuntime()
+    server = ForkServer(PRELOAD)
+    if sandboxed:
+        box = BubblewrapRuntime(SandboxConfig(), [folder], hidden=[root], gateway=(8123, folder / "gw.sock"))
+        (folder / "gw.sock").touch()
+        variables = box.variables({})
+        runtime, server = box, ForkServer(PRELOAD, env=variables, sandbox=lambda: box.server(root))
+
+    async def go() -> float:
+        await server._start()
+        t0 = time.perf_counter()
+        for i in range(runs):
+            run = root / str(i)
+            (run / "work").mkdir(parents=True)
+            launch = runtime.launch([sys.executable, str(agent), "hi"], run / "work", {})
+            exit = await run_agent(launch, run / "agent", 60, server)
+            assert exit.code == 0, exit.stderr
+        wall = (time.perf_counter() - t0) / runs
+        await server.close()
+        return wall
+
+    try:
+        return asyncio.run(go())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20)
@@ -128,6 +168,11 @@ def sandbox_rows(args: argparse.Namespace) -> None:
                     rows[sandboxed].append(launched(agent, folder, args.runs, sandboxed))
             off, on = (sorted(rows[k])[len(rows[k]) // 2] * 1000 for k in (False, True))
             print(f"  {name:<11} sandbox off {off:7.1f}   on {on:7.1f}   cost {on - off:+6.1f} ms")
+            for _ in range(args.repeats):
+                for sandboxed in (False, True):
+                    rows[sandboxed].append(forked_launched(agent, folder, args.runs, sandboxed))
+            off, on = (sorted(rows[k][args.repeats :])[args.repeats // 2] * 1000 for k in (False, True))
+            print(f"  {name:<11} forked: sandbox off {off:7.1f}   on {on:7.1f}   cost {on - off:+6.1f} ms")
 
 
 if __name__ == "__main__":

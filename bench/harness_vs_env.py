@@ -9,14 +9,16 @@ group size, through ``turnrl.rollout.collector.collect``:
   harness's gateway;
 - bare: the same with ``env.sandbox: none`` (plain processes of the user);
 - forked: the same unsandboxed with ``env.preload: [openai, "turnrl.harness.warm:openai"]``, each run
-  forked from a process that imported the SDK once and made a client.
+  forked from a process that imported the SDK once and made a client;
+- sandboxed-forked: the same preload with the sandbox on (the fork server in a sandbox, each run
+  in a sandbox of its own entered after the fork).
 Throughput is sampled tokens per wall second (and trajectories per second); the two alternate,
 ``--repeats`` times each, and the ratio is of medians. Use a model that calls the tool (the
 warm-started checkpoint of ``examples/harness/train_lookup.yaml``) for two-turn episodes. With
 ``--engine vllm`` a vLLM server that turnrl starts (scripts/install_vllm.sh) serves every side.
 
     .venv/bin/python bench/harness_vs_env.py [--model smollm2-135m] [--prompts 8] [--group 4]
-        [--engine hf|vllm] [--sides env,harness,bare,forked]
+        [--engine hf|vllm] [--sides env,harness,bare,forked,sandboxed-forked]
 """
 
 from __future__ import annotations
@@ -91,11 +93,14 @@ async def main() -> None:
     unsandboxed = HarnessRunner(bare, engine, encoder, get_parser("hermes"), args.model, out / "bare")
     preloaded = bare.model_copy(update={"preload": ["openai", "turnrl.harness.warm:openai"]})
     forked = HarnessRunner(preloaded, engine, encoder, get_parser("hermes"), args.model, out / "forked")
+    boxed = harness.model_copy(update={"preload": preloaded.preload})
+    boxed_forked = HarnessRunner(boxed, engine, encoder, get_parser("hermes"), args.model, out / "boxed")
     every = {
         "env": spec,
         "harness": dataclasses.replace(spec, runner=runner),
         "bare": dataclasses.replace(spec, runner=unsandboxed),
         "forked": dataclasses.replace(spec, runner=forked),
+        "sandboxed-forked": dataclasses.replace(spec, runner=boxed_forked),
     }
     sides = {name: every[name] for name in args.sides.split(",")}
     rates: dict[str, list[float]] = {name: [] for name in sides}
@@ -107,13 +112,13 @@ async def main() -> None:
             turns = statistics.fmean(t.num_turns for t in trajs)
             reward = statistics.fmean(t.reward for t in trajs)
             print(
-                f"  [{repeat}] {name:<8} {len(trajs):3d} trajectories, {tokens(trajs):5d} sampled tokens, "
+                f"  [{repeat}] {name:<16} {len(trajs):3d} trajectories, {tokens(trajs):5d} sampled tokens, "
                 f"{wall:6.2f} s, {tokens(trajs) / wall:7.1f} tok/s, {turns:.2f} turns, reward {reward:.2f}",
                 flush=True,
             )
             if repeat:
                 rates[name].append(tokens(trajs) / wall)
-    for each in (runner, unsandboxed, forked):
+    for each in (runner, unsandboxed, forked, boxed_forked):
         await each.close()
     await engine.close()
     env = statistics.median(rates["env"])
@@ -122,7 +127,7 @@ async def main() -> None:
     print(f"  env       {env:8.1f}")
     for name in [side for side in sides if side != "env"]:
         rate = statistics.median(rates[name])
-        print(f"  {name:<9} {rate:8.1f}   {name} / env: {rate / env:.2f}")
+        print(f"  {name:<16} {rate:8.1f}   {name} / env: {rate / env:.2f}")
 
 
 if __name__ == "__main__":

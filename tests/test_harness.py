@@ -48,8 +48,6 @@ def runner_for(
     tokenizer: Any, tmp_path: Path, replies: list[str], **harness: Any
 ) -> tuple[HarnessRunner, Recorder]:
     add_search_path(LOOKUP)
-    if harness.get("preload"):  # forked runs are unsandboxed (the fork server is one process)
-        harness.setdefault("sandbox", "none")
     config = HarnessConfig.model_validate(
         {"kind": "harness", "reward": "lookup_task:reward", "setup": "lookup_task:setup", **harness}
     )
@@ -330,39 +328,54 @@ def test_a_reward_of_none_leaves_the_run_out_and_says_why(
     assert not kept and left_out == {"reward_none": 1}
 
 
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
 def test_a_forked_run_sees_what_a_new_process_would(
-    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sandbox: str
 ) -> None:
     """The fork server's runs: own folder, argv, sys.path[0], variables, stdin, process group,
-    stdout and stderr, as a new ``python`` process's; a preloaded module that prints is not heard."""
+    stdout and stderr, as a new ``python`` process's; a preloaded module that prints is not heard.
+    Sandboxed, a forked run also has what a new sandboxed process has: no capability, its own
+    processes only, the same limits, home and an empty private /tmp."""
+    add_search_path(LOOKUP)
     import lookup_task
 
-    monkeypatch.setenv("PYTHONPATH", f"{AGENTS}:{os.environ.get('PYTHONPATH', '')}")
     tails: list[tuple[str, str]] = []
-    monkeypatch.setattr(lookup_task, "reward", lambda s, r: tails.append((r.stdout, r.stderr)) or 1.0)
+    probes: dict[str, Any] = {}
+
+    def reward(sample: Sample, result: Any) -> float:
+        tails.append((result.stdout, result.stderr))
+        probes[result.folder.parents[2].name] = json.loads((result.folder / "probe.json").read_text())
+        return 1.0
+
+    monkeypatch.setattr(lookup_task, "reward", reward)
     command = ["python", str(AGENTS / "probe_agent.py"), "{prompt}"]
     seen = {}
     warm = ["turnrl.harness.warm:openai", "turnrl.harness.warm:anthropic"]
     for name, preload in (("process", []), ("forked", ["openai", "noisy_module", *warm])):
-        probe = tmp_path / f"{name}.json"
-        env = {"PROBE_FILE": str(probe), "PROBE_VAR": name}
-        runner, engine = runner_for(  # unsandboxed both ways: the probe file is outside the folder
+        env = {"PROBE_FILE": "{folder}/probe.json", "PROBE_VAR": name, "PYTHONPATH": str(AGENTS)}
+        runner, engine = runner_for(
             qwen3_tokenizer,
             tmp_path / name,
             ["Hi."],
             command=command,
             env=env,
             preload=preload,
-            sandbox="none",
+            sandbox=sandbox if sandbox == "none" else {},
+            keep_folders=True,
         )
         [traj] = run_once(runner)
         assert traj.stop_reason == StopReason.AGENT_DONE and traj.reward == 1.0, traj.error
         assert_exact(traj, engine.seen)
-        seen[name] = json.loads(probe.read_text())
+        seen[name] = probes[name]
         assert seen[name].pop("var") == name
         assert Path(seen[name].pop("cwd")).name == "work"  # the run's own folder
+        seen[name]["few processes"] = seen[name].pop("processes") <= 3  # its PID namespace's, or all
     assert seen["forked"] == seen["process"]
     assert seen["forked"]["leader"] and seen["forked"]["argv"][1] == SAMPLE.prompt[0]["content"]
+    if sandbox != "none":
+        assert all(line.split()[1] == "0000000000000000" for line in seen["forked"]["capabilities"][:4])
+        own = [tmp_path.relative_to("/tmp").parts[0]] if tmp_path.is_relative_to("/tmp") else []
+        assert seen["forked"]["few processes"] and seen["forked"]["tmp"] == sorted(["home", *own])
     assert tails == [("to stdout\n", "to stderr\n")] * 2
 
 

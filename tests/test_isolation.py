@@ -68,6 +68,11 @@ def batch(
     return runner, good, escapee, marker
 
 
+# Sandboxed runs start two ways: a new process in a bubblewrap sandbox, or forked by a fork server
+# in a sandbox of its own (env.preload), entering the run's namespaces after the fork.
+STARTS = pytest.mark.parametrize("preload", [[], ["openai"]], ids=["process", "forked"])
+
+
 def leftovers(marker: str) -> list[int]:
     """Processes of this machine whose command line carries ``marker``."""
     found = []
@@ -82,7 +87,10 @@ def leftovers(marker: str) -> list[int]:
     return found
 
 
-def test_a_sandboxed_run_cannot_write_outside_its_folder(qwen3_tokenizer: Any, tmp_path: Path) -> None:
+@STARTS
+def test_a_sandboxed_run_cannot_write_outside_its_folder(
+    qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]
+) -> None:
     outside = tmp_path / "outside.txt"
     home = Path.home() / "escaped"
     _, _, [traj], _ = batch(
@@ -91,6 +99,7 @@ def test_a_sandboxed_run_cannot_write_outside_its_folder(qwen3_tokenizer: Any, t
         "write",
         env={"ESCAPE_PATHS": f"{outside}:{tmp_path}/out/x"},
         keep_folders=True,
+        preload=preload,
     )
     assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
     assert escape_task.FOUND["escapee"]["wrote"]  # it tried: what it wrote went to its private /tmp
@@ -99,17 +108,18 @@ def test_a_sandboxed_run_cannot_write_outside_its_folder(qwen3_tokenizer: Any, t
     assert not list((tmp_path / "out" / "harness").glob("*/escaped"))  # the run's own ../
 
 
+@STARTS
 def test_a_sandboxed_run_sees_no_other_process_and_no_session_key(
-    qwen3_tokenizer: Any, tmp_path: Path
+    qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]
 ) -> None:
-    _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "environ")
+    _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "environ", preload=preload)
     found = escape_task.FOUND["escapee"]
     assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
     assert found["others"] == []  # not the honest run's agent, not turnrl
     assert int(found["processes"]) <= 4  # its PID namespace: the keeper's init, the keeper, the agent
 
 
-@pytest.mark.parametrize("sandbox", ["bubblewrap", "none"])
+@pytest.mark.parametrize("sandbox", ["bubblewrap", "bubblewrap-forked", "none"])
 def test_a_run_that_knows_another_sessions_name_cannot_call_it(
     qwen3_tokenizer: Any, tmp_path: Path, sandbox: str
 ) -> None:
@@ -122,8 +132,8 @@ def test_a_run_that_knows_another_sessions_name_cannot_call_it(
 
 @pytest.mark.parametrize(
     ("sandbox", "preload"),
-    [("bubblewrap", []), ("none", []), ("none", ["openai"])],
-    ids=["sandboxed", "process", "forked"],
+    [("bubblewrap", []), ("bubblewrap", ["openai"]), ("none", []), ("none", ["openai"])],
+    ids=["sandboxed", "sandboxed-forked", "process", "forked"],
 )
 @pytest.mark.parametrize("mode", ["setsid", "double_fork"])
 def test_nothing_the_agent_started_outlives_its_run(
@@ -135,25 +145,34 @@ def test_nothing_the_agent_started_outlives_its_run(
 
 
 @pytest.mark.alone  # 256 processes forking without end: no other test's timing beside it
-def test_a_fork_bomb_ends_at_its_timeout_and_leaves_nothing(qwen3_tokenizer: Any, tmp_path: Path) -> None:
-    _, _, [traj], marker = batch(qwen3_tokenizer, tmp_path, "fork_bomb", timeout_s=15)
+@STARTS
+def test_a_fork_bomb_ends_at_its_timeout_and_leaves_nothing(
+    qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]
+) -> None:
+    _, _, [traj], marker = batch(qwen3_tokenizer, tmp_path, "fork_bomb", timeout_s=15, preload=preload)
     assert traj.stop_reason in (StopReason.AGENT_TIMEOUT, StopReason.AGENT_ERROR)
     assert leftovers(marker) == []
 
 
-def test_a_memory_hog_is_stopped_by_the_default_limit(qwen3_tokenizer: Any, tmp_path: Path) -> None:
-    _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "memory")
+@STARTS
+def test_a_memory_hog_is_stopped_by_the_default_limit(
+    qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]
+) -> None:
+    _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "memory", preload=preload)
     assert traj.stop_reason == StopReason.AGENT_DONE, traj.error  # it caught its MemoryError
     assert 0 < escape_task.FOUND["escapee"]["held_mb"] <= 4096  # env.sandbox.memory_mb's default
 
 
+@STARTS
 def test_a_sandboxed_run_reaches_no_loopback_port_but_its_gateway(
-    qwen3_tokenizer: Any, tmp_path: Path
+    qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]
 ) -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.setblocking(False)
         port = listener.getsockname()[1]
-        _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "port", env={"ESCAPE_PORT": str(port)})
+        _, _, [traj], _ = batch(
+            qwen3_tokenizer, tmp_path, "port", env={"ESCAPE_PORT": str(port)}, preload=preload
+        )
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
     assert traj.stop_reason == StopReason.AGENT_DONE, traj.error  # and its gateway answered its call
@@ -186,5 +205,17 @@ def test_the_reward_runs_the_tasks_tests_in_the_runs_sandbox(
     assert traj.reward == 1.0 and traj.info["run"]["commands"][0]["exit_code"] == 0
 
 
+@STARTS
+@pytest.mark.parametrize("keep_folders", [False, True], ids=["tmp", "kept"])
+def test_a_sandboxed_run_cannot_unmount_its_way_to_the_other_runs(
+    qwen3_tokenizer: Any, tmp_path: Path, preload: list[str], keep_folders: bool
+) -> None:
+    _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "unmount", preload=preload, keep_folders=keep_folders)
+    found = escape_task.FOUND["escapee"]
+    assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
+    assert found["unmounted"] == []  # no capability left, and a user namespace's mounts are locked
+    assert [name.split("-")[0] for name in found["runs"]] == ["escapee"]  # its own run's folder only
+
+
 def _sandbox(name: str) -> dict[str, Any]:
-    return {"sandbox": "none"} if name == "none" else {}
+    return {"sandbox": "none"} if name == "none" else {"preload": ["openai"]} if "forked" in name else {}

@@ -374,16 +374,9 @@ class HarnessConfig(Strict):
     is imported. A "module:function" entry is called once after the imports, a warm-up
     (``turnrl.harness.warm:openai`` makes and drops an openai client, whose HTTP stack imports on
     first use). Other commands start as new processes. Empty: every run is a new process.
-    Forked runs share the server's process, outside any sandbox: preload needs ``sandbox: none``."""
-
-    @model_validator(mode="after")
-    def _preload_unsandboxed(self) -> HarnessConfig:
-        if self.preload and self.sandbox != "none":
-            raise ValueError(
-                "env.preload forks each run from one process outside any sandbox: set env.sandbox: none"
-                " to fork unsandboxed runs, or drop env.preload"
-            )
-        return self
+    With ``env.sandbox`` on, the fork server runs in a sandbox and each forked run enters one of its
+    own (``turnrl.harness.namespaces``): it sees and may do what a run started as a new process
+    may."""
 
 
 def _env_kind(value: Any) -> str:

@@ -9,6 +9,8 @@ leave processes behind or hang). Each mode is one thing a model could write:
   with ESCAPE_MARKER in its argv, left running when the agent exits
 - ``fork_bomb``, ``memory``: fork or allocate without end
 - ``port``: a TCP connection to 127.0.0.1:ESCAPE_PORT, a loopback port that is not the gateway's
+- ``unmount``: the sibling runs' folders, by unmounting what hides them (as itself, then as root of
+  a user namespace of its own)
 """
 
 from __future__ import annotations
@@ -93,6 +95,24 @@ elif mode == "port":
     except OSError as exc:
         found["connected"] = False
         found["error"] = type(exc).__name__
+elif mode == "unmount":
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    runs = Path.cwd().parent.parent  # the runs' root: FOLDER is RUNS/NAME/work
+    targets = ["/tmp", str(runs), str(runs.parent), str(Path.cwd())]
+    read, write = os.pipe()
+    if os.fork() == 0:  # a user namespace changes who it is: a child tries, and reports
+        own = [t for t in targets if libc.umount2(t.encode(), 2) == 0]  # MNT_DETACH
+        if libc.unshare(0x10000000 | 0x00020000) == 0:  # CLONE_NEWUSER | CLONE_NEWNS
+            own += [f"userns:{t}" for t in targets if libc.umount2(t.encode(), 2) == 0]
+        seen = sorted(os.listdir(runs)) if runs.is_dir() else []
+        os.write(write, json.dumps({"unmounted": own, "runs": seen}).encode())
+        os._exit(0)
+    os.close(write)
+    os.wait()
+    with os.fdopen(read) as f:
+        found.update(json.loads(f.read()))
 
 Path("escape.json").write_text(json.dumps(found))
 from openai import OpenAI  # noqa: E402

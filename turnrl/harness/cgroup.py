@@ -57,6 +57,11 @@ def _roots() -> dict[str, Path]:
     return roots
 
 
+def cgroup_roots() -> list[Path]:
+    """The folders the runs' cgroups are made in (one per hierarchy), in a fixed order."""
+    return sorted(set(_roots().values()))
+
+
 class RunCgroup:
     """One run's cgroups: the run's keeper moves in by writing ``0`` to each of ``procs`` (bound
     into its sandbox) before the agent starts."""

@@ -12,13 +12,16 @@ it forks the run once more and, when the run ends (or on SIGTERM), kills whateve
 What it shares with the server is what was imported before the fork, so a
 preloaded module must not read the run's variables at import time (it saw turnrl's).
 
-``python -m turnrl.harness.forkserver [--path FOLDER]... MODULE...`` (FOLDER: where else a module may
-be, for its import only; a "module:function" is imported and called once, a warm-up) speaks JSON
-lines: on stdin, one request per run
-(``{"id", "argv", "cwd", "env", "stdout", "stderr"}``, argv being ``[python, script, ...]`` or
-``[python, -m, module, ...]``); on stdout ``{"ready": true}`` (or ``{"error": ...}``: a module did not
-import) once, then ``{"id", "pid"}`` per fork and ``{"pid", "code"}`` when a run exits (a negative code:
-killed by that signal). ``ForkServer`` is its asyncio client in turnrl.
+``python -c SERVE [--path FOLDER]... MODULE...`` (SERVE imports this module's ``main`` and calls
+it, rather than ``-m``, which would run this module twice: as ``__main__`` and as imported by
+``turnrl.harness``; FOLDER: where else a module may be, for its import only; a "module:function" is
+imported and called once, a warm-up) speaks JSON lines. On stdin: one request per run (``{"id",
+"argv", "cwd", "env", "stdout", "stderr"}`` and, for a sandboxed server, ``"sandbox"``; argv being
+``[python, script, ...]`` or ``[python, -m, module, ...]``), or a signal for a run (``{"kill": pid,
+"signal", "group"}``: a sandboxed server's pids are of its own PID namespace, not turnrl's). On
+stdout: ``{"ready": true}`` (or ``{"error": ...}``: a module did not import) once, then ``{"id",
+"pid"}`` per fork and ``{"pid", "code"}`` when a run exits (a negative code: killed by that
+signal). ``ForkServer`` is its asyncio client in turnrl.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ import os
 import select
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from turnrl.harness.keeper import keep_forked, reaped
+from turnrl.harness.namespaces import enter
 from turnrl.support.errors import describe
 
 
@@ -68,11 +72,16 @@ class ForkServer:
     """turnrl's side: starts the server on first use, forks runs through it, waits for their exits."""
 
     def __init__(
-        self, preload: list[str], search: Sequence[str] = (), env: Mapping[str, str] | None = None
+        self,
+        preload: list[str],
+        search: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        sandbox: Callable[[], list[str]] | None = None,
     ) -> None:
         self.preload = preload
         self.search = list(search)  # folders the preloaded modules may be in (as turnrl's hooks)
         self.env = dict(env) if env is not None else None  # the server's variables (None: turnrl's)
+        self.sandbox = sandbox  # the argv that starts the server in its sandbox (its runs enter their own)
         self._proc: asyncio.subprocess.Process | None = None
         self.pid: int | None = None  # the server's process, once started
         self._reader: asyncio.Task[None] | None = None
@@ -82,19 +91,42 @@ class ForkServer:
         self._ids = 0
         self._lock = asyncio.Lock()
 
-    async def spawn(self, argv: list[str], cwd: str, env: dict[str, str], stdout: str, stderr: str) -> int:
-        """Fork a run of ``argv`` (see ``forkable``); its pid, which leads its own process group.
-        Raises OSError when the server cannot start or a preloaded module does not import."""
+    async def spawn(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: dict[str, str],
+        stdout: str,
+        stderr: str,
+        sandbox: dict[str, Any] | None = None,
+    ) -> int:
+        """Fork a run of ``argv`` (see ``forkable``), in the sandbox ``sandbox`` describes
+        (``turnrl.harness.namespaces``) when the server runs in one; its pid, which leads its own
+        process group. Raises OSError when the server cannot start or a preloaded module does not
+        import."""
         await self._start()
         assert self._proc is not None and self._proc.stdin is not None
         self._ids += 1
         spawned = self._spawned[self._ids] = asyncio.get_running_loop().create_future()
         request = {"id": self._ids, "argv": argv, "cwd": cwd, "env": env, "stdout": stdout, "stderr": stderr}
+        if sandbox is not None:
+            request["sandbox"] = sandbox
         self._proc.stdin.write(json.dumps(request).encode() + b"\n")
         await self._proc.stdin.drain()
         pid = await spawned
         self._exits.setdefault(pid, asyncio.get_running_loop().create_future())
         return pid
+
+    def kill(self, pid: int, sig: int, group: bool = False) -> None:
+        """Send ``sig`` to the run ``pid`` (``group``: to its whole process group). A sandboxed
+        server's pids are of its own PID namespace, so it sends the signal itself; gone: no-op."""
+        if self.sandbox is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                (os.killpg if group else os.kill)(pid, sig)
+            return
+        proc = self._proc
+        if proc is not None and proc.stdin is not None and not proc.stdin.is_closing():
+            proc.stdin.write(json.dumps({"kill": pid, "signal": int(sig), "group": group}).encode() + b"\n")
 
     async def wait(self, pid: int) -> int:
         """The exit code of the run ``pid`` (negative: the signal that killed it); cancelling the
@@ -125,9 +157,10 @@ class ForkServer:
                 return
             self._started = asyncio.get_running_loop().create_future()
             self._proc = await asyncio.create_subprocess_exec(
+                *(self.sandbox() if self.sandbox is not None else []),
                 sys.executable,
-                "-m",
-                "turnrl.harness.forkserver",
+                "-c",
+                SERVE,
                 *[arg for folder in self.search for arg in ("--path", folder)],
                 *self.preload,
                 stdin=asyncio.subprocess.PIPE,
@@ -172,6 +205,8 @@ class ForkServer:
 
 # The server's side (its own process).
 
+SERVE = "from turnrl.harness.forkserver import main; main()"
+
 _PROTOCOL = 1  # the fd the server speaks on: stdout's own, moved aside so that imports cannot print on it
 
 
@@ -201,6 +236,10 @@ def _serve() -> dict[str, Any]:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            if "kill" in request:  # a signal for a run, sent from here: its pid is of this namespace
+                with contextlib.suppress(OSError):
+                    (os.killpg if request.get("group") else os.kill)(request["kill"], request["signal"])
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             # what the server holds goes to the collector's permanent generation, so the run's
@@ -231,13 +270,6 @@ def _become(request: dict[str, Any]) -> None:
     import runpy
 
     os.chdir(request["cwd"])
-    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_APPEND)):
-        opened = os.open(path, mode)
-        os.dup2(opened, fd)
-        os.close(opened)
-    opened = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
-    os.dup2(opened, 2)
-    os.close(opened)
     os.environ.clear()
     os.environ.update(request["env"])
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -277,7 +309,30 @@ def main() -> None:
     _say({"ready": True})
     request = _serve()
     os.setsid()  # the run's own session, led by its keeper: the run is forked once more below it
-    keep_forked(lambda: _run(request))
+    _redirect(request)
+    bridge = None
+    if "sandbox" in request:
+        try:
+            listener = enter(request["sandbox"])  # from here on: the run's init, in its sandbox
+        except OSError as exc:
+            print(f"cannot start the run: {exc}", file=sys.stderr, flush=True)
+            os._exit(126)
+        if listener is not None:
+            bridge = (listener, str(request["sandbox"]["bridge"][1]))
+    keep_forked(lambda: _run(request), bridge)
+
+
+def _redirect(request: dict[str, Any]) -> None:
+    """The run's standard streams: stdin from /dev/null, stdout and stderr to its files (opened
+    before its sandbox hides where they are)."""
+    for fd, path, mode in (
+        (0, os.devnull, os.O_RDONLY),
+        (1, request["stdout"], os.O_WRONLY | os.O_APPEND),
+        (2, request["stderr"], os.O_WRONLY | os.O_APPEND),
+    ):
+        opened = os.open(path, mode)
+        os.dup2(opened, fd)
+        os.close(opened)
 
 
 def _run(request: dict[str, Any]) -> int:

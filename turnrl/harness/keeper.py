@@ -103,12 +103,13 @@ def wait_for(pid: int) -> int:
 
 
 def end(code: int) -> None:
-    """Kill what is left, then exit with ``code`` (a signal by the signal itself)."""
+    """Kill what is left, then exit with ``code`` (a signal by the signal itself, or as 128 + N by
+    the init of a PID namespace, which its own signals cannot end)."""
     kill_all()
-    if code < 0:
+    if code < 0 and os.getpid() != 1:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+    os._exit(128 - code if code < 0 else code & 0xFF)
 
 
 def _on_term(*_: object) -> None:
@@ -116,16 +117,21 @@ def _on_term(*_: object) -> None:
     os._exit(128 + signal.SIGTERM)
 
 
-def keep_forked(run: Callable[[], int]) -> None:
-    """In a run forked by the fork server (the run's session leader): fork once more, ``run`` in
-    the grandchild, and keep it from here; never returns."""
+def keep_forked(run: Callable[[], int], bridge: tuple[socket.socket, str] | None = None) -> None:
+    """In a run forked by the fork server (the run's session leader, or the init of its sandbox):
+    fork once more, ``run`` in the grandchild, and keep it from here, carrying ``bridge`` (a
+    listener and the gateway's socket) meanwhile; never returns."""
     become_subreaper()
     signal.signal(signal.SIGTERM, _on_term)  # before the fork: a stop that comes early still kills the run
     pid = os.fork()
     if pid == 0:
+        if bridge is not None:
+            bridge[0].close()
         os.setsid()  # the agent leads its own session, as a new process would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os._exit(run())
+    if bridge is not None:
+        threading.Thread(target=_bridge, args=bridge, daemon=True).start()
     end(wait_for(pid))
 
 

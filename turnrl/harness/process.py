@@ -151,6 +151,12 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def send(pid: int, sig: int, group: bool = False) -> None:
+    """``sig`` to the process ``pid`` of this PID namespace (``group``: its group); gone: no-op."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        (os.killpg if group else os.kill)(pid, sig)
+
+
 async def run_agent(
     launch: Launch,
     logs: Path,
@@ -158,19 +164,22 @@ async def run_agent(
     forks: ForkServer | None = None,
 ) -> Exit:
     """Run ``launch`` (stdout and stderr to ``logs``.stdout/.stderr) for at most ``timeout``
-    seconds, forked by ``forks`` when it is an unsandboxed Python script or module it can run; when
+    seconds, forked by ``forks`` when it is a Python script or module it can run (sandboxed by
+    ``forks``'s sandbox and ``launch.forked`` when ``launch`` is); when
     it ends either way, everything it started is killed and its launch closed."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     out, err = logs.with_suffix(".stdout"), logs.with_suffix(".stderr")
     waited: Callable[[int], Awaitable[int]]
-    python = forkable(launch.command) if forks and not launch.sandboxed else None
+    signal_run: Callable[[int, int, bool], None] = send  # a forked run's pid is its server's to signal
+    python = forkable(launch.command) if forks and launch.sandboxed == (forks.sandbox is not None) else None
     try:
         if forks is not None and python is not None:
             out.write_bytes(b"")
             err.write_bytes(b"")
-            pid = await forks.spawn(python, str(launch.cwd), launch.env, str(out), str(err))
-            waited = forks.wait
+            inside = launch.forked if launch.sandboxed else None
+            pid = await forks.spawn(python, str(launch.cwd), launch.env, str(out), str(err), inside)
+            waited, signal_run = forks.wait, forks.kill
         else:
             pid, waited = await _start(launch, out, err)
     except OSError as exc:
@@ -186,22 +195,23 @@ async def run_agent(
         error = str(exc)
     finally:
         if code is None and error is None:
-            await _stop(pid, waited)
-        kill_group(pid)  # the agent's group too, also when it exited on its own
+            await _stop(pid, waited, signal_run)
+        signal_run(pid, signal.SIGKILL, True)  # the agent's group too, also when it exited on its own
         launch.close()
     return Exit(code, timed_out, tail(out), tail(err), error, seconds=loop.time() - t0)
 
 
-async def _stop(pid: int, waited: Callable[[int], Awaitable[int]]) -> None:
+async def _stop(
+    pid: int, waited: Callable[[int], Awaitable[int]], signal_run: Callable[[int, int, bool], None]
+) -> None:
     """End a run still going: its keeper is told (SIGTERM: it kills everything the run started,
     wherever it went), then, past a grace period, the whole group is killed."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGTERM)
+    signal_run(pid, signal.SIGTERM, False)
     with contextlib.suppress(OSError, TimeoutError):
         async with asyncio.timeout(STOP_GRACE_S):
             await waited(pid)
             return
-    kill_group(pid)
+    signal_run(pid, signal.SIGKILL, True)
     with contextlib.suppress(OSError):
         await waited(pid)
 

@@ -106,7 +106,12 @@ class HarnessRunner:
         self.forks = None
         if config.preload:  # its imports see the variables every run has (env.env's fixed ones)
             fixed = {key: value for key, value in config.env.items() if "{" not in value}
-            self.forks = ForkServer(config.preload, search_path(), {**os.environ, **fixed})
+            if isinstance(self.runtime, BubblewrapRuntime):  # in a sandbox; each run enters its own
+                box, root = self.runtime, self.root
+                variables = box.variables(fixed)
+                self.forks = ForkServer(config.preload, search_path(), variables, lambda: box.server(root))
+            else:
+                self.forks = ForkServer(config.preload, search_path(), {**os.environ, **fixed})
 
     async def url(self) -> str:
         """The gateway's base URL (started on first use: runs that ask at once share one start)."""

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 KEEPER = str(Path(__file__).with_name("keeper.py"))
 
@@ -31,6 +31,7 @@ class Launch:
     cwd: Path
     close: Callable[[], None] = field(default=lambda: None)  # after the run: kill what is left, free
     sandboxed: bool = False
+    forked: dict[str, Any] | None = None  # the sandbox a run forked in the runtime's fork server enters
 
 
 class Runtime(Protocol):

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from turnrl.config import SandboxConfig
-from turnrl.harness.cgroup import RunCgroup
+from turnrl.harness.cgroup import RunCgroup, cgroup_roots
 from turnrl.harness.runtime import Launch, keeper_argv
 from turnrl.tools.sandbox import SYSTEM_DIRS, SYSTEM_FILES
 
@@ -50,6 +50,7 @@ HOME = "/tmp/home"
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 GATEWAY_SOCKET = "/run/turnrl/gateway.sock"
 CGROUP_PROCS = "/run/turnrl/cgroup-{}.procs"
+CGROUPS = "/run/turnrl/cgroups"  # where a fork server's sandbox sees the folders of the runs' cgroups
 PASSED = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM")  # of turnrl's variables, all a run gets
 INSTALL = "apt-get install bubblewrap"
 NO_CAP = (
@@ -100,37 +101,72 @@ class BubblewrapRuntime:
         read_only: Sequence[Path] = (),
         gateway: bool = True,
     ) -> Launch:
-        """``argv`` in ``folder`` inside a new sandbox (``gateway``: bridged to the run's gateway)."""
+        """``argv`` in ``folder`` inside a new sandbox (``gateway``: bridged to the run's gateway);
+        ``Launch.forked`` says what the same sandbox is for a run the fork server forks."""
         bridge = self.gateway if gateway and self.config.network == "gateway" else None
         cgroup = RunCgroup.make(self.config.max_processes)
         capped = cgroup is not None and cgroup.limited
         if not capped and self.root and not self._warned:
             self._warned = True
             log.warning(NO_CAP)
-        options = [*self._limits(not capped)]
+        limits = self._limits(not capped)
+        options = [arg for name, value in limits.items() for arg in ("--limit", f"{name}={value}")]
         for i in range(len(cgroup.procs) if cgroup is not None else 0):
             options += ["--cgroup", CGROUP_PROCS.format(i)]
         if bridge is not None:
             options += ["--bridge", str(bridge[0]), GATEWAY_SOCKET]
         mounts = self._mounts(folder, read_only, bridge, cgroup)
+        close = cgroup.close if cgroup is not None else (lambda: None)
+        argv_in = [*mounts, "--", *keeper_argv(argv, options)]
+        launch = Launch(list(argv), argv_in, self.variables(env), folder, close=close, sandboxed=True)
+        roots = cgroup_roots()
+        launch.forked = {
+            "folder": str(folder),
+            "read_only": [str(file) for file in read_only],
+            "hidden": [*self.hidden, CGROUPS],
+            "cgroups": [
+                f"{CGROUPS}/{roots.index(Path(procs).parent.parent)}/{Path(procs).parent.name}/cgroup.procs"
+                for procs in (cgroup.procs if cgroup is not None else [])
+            ],
+            "limits": limits,
+            "network": self.config.network,
+            "bridge": [bridge[0], GATEWAY_SOCKET] if bridge is not None else None,
+        }
+        return launch
+
+    def variables(self, env: dict[str, str]) -> dict[str, str]:
+        """A run's variables: the few of turnrl's it gets (PASSED), its home and /tmp, ``env``."""
         passed = {key: os.environ[key] for key in PASSED if key in os.environ}
         # this environment's programs first: `python` in what the agent runs is turnrl's interpreter
         # (a python of the user's home, a pyenv shim say, is not in the sandbox)
         passed["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), passed.get("PATH", DEFAULT_PATH)])
-        variables = {**passed, "HOME": HOME, "TMPDIR": "/tmp", **env}
-        close = cgroup.close if cgroup is not None else (lambda: None)
-        argv_in = [*mounts, "--", *keeper_argv(argv, options)]
-        return Launch(list(argv), argv_in, variables, folder, close=close, sandboxed=True)
+        return {**passed, "HOME": HOME, "TMPDIR": "/tmp", **env}
 
-    def _limits(self, count_processes: bool) -> list[str]:
-        """The keeper's ``--limit`` options: memory, file size, no core files, and the process count
-        (RLIMIT_NPROC counts all of the user's tasks: the ones running now, plus the run's) when no
-        cgroup caps it."""
+    def server(self, runs: Path) -> list[str]:
+        """The argv that starts a fork server in a sandbox (its command follows): what a run sees,
+        with ``runs`` (the runs' root) read-write, the gateway's socket and the cgroups of runs
+        bound in, and the capabilities to make each run's namespaces (``turnrl.harness.namespaces``),
+        in a user namespace of its own."""
+        cmd = [self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"]
+        cmd += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
+        cmd += ["--cap-add", "CAP_SETPCAP"]
+        cmd += self._view()
+        cmd += ["--bind", str(runs), str(runs)]
+        if self.gateway is not None and self.config.network == "gateway":
+            cmd += ["--ro-bind", str(self.gateway[1]), GATEWAY_SOCKET]
+        for i, root in enumerate(cgroup_roots()):
+            cmd += ["--bind", str(root), f"{CGROUPS}/{i}"]
+        return [*cmd, "--remount-ro", "/", "--"]
+
+    def _limits(self, count_processes: bool) -> dict[str, int]:
+        """The ``RLIMIT_*`` a run's processes get: memory, file size, no core files, and the process
+        count (RLIMIT_NPROC counts all of the user's tasks: the ones running now, plus the run's)
+        when no cgroup caps it."""
         mib = 1 << 20
         limits = {"DATA": self.config.memory_mb * mib, "FSIZE": self.config.file_size_mb * mib, "CORE": 0}
         if count_processes:
             limits["NPROC"] = _tasks_of(os.getuid()) + self.config.max_processes + 4  # + bwrap's own
-        return [arg for name, value in limits.items() for arg in ("--limit", f"{name}={value}")]
+        return limits
 
     def _mounts(
         self,
@@ -141,14 +177,7 @@ class BubblewrapRuntime:
     ) -> list[str]:
         """bwrap's arguments: namespaces, then what the run sees (see the module doc)."""
         cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
-        if self.config.network == "host":
-            cmd.append("--share-net")
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]  # first: binds go over
-        for path in (*SYSTEM_DIRS, *SYSTEM_FILES, *ETC, *self.visible):
-            cmd += ["--ro-bind-try", path, path]
-        for path in self.hidden:  # turnrl's output and the runs' root, where a visible folder holds them
-            if any(path.startswith(v + "/") or path == v for v in self.visible):
-                cmd += ["--tmpfs", path]
+        cmd += self._view()
         cmd += ["--bind", str(folder), str(folder)]
         for file in read_only:
             cmd += ["--ro-bind", str(file), str(file)]
@@ -157,6 +186,18 @@ class BubblewrapRuntime:
         for i, procs in enumerate(cgroup.procs if cgroup is not None else ()):
             cmd += ["--bind", procs, CGROUP_PROCS.format(i)]  # the keeper joins before the agent starts
         return [*cmd, "--remount-ro", "/", "--chdir", str(folder)]
+
+    def _view(self) -> list[str]:
+        """What every sandbox sees: its network, /proc, /dev, a private /tmp and home, the system
+        and the visible folders read-only, turnrl's output and the runs' root hidden."""
+        cmd = ["--share-net"] if self.config.network == "host" else []
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]  # first: binds go over
+        for path in (*SYSTEM_DIRS, *SYSTEM_FILES, *ETC, *self.visible):
+            cmd += ["--ro-bind-try", path, path]
+        for path in self.hidden:  # turnrl's output and the runs' root, where a visible folder holds them
+            if any(path.startswith(v + "/") or path == v for v in self.visible):
+                cmd += ["--tmpfs", path]
+        return cmd
 
 
 def _tasks_of(uid: int) -> int:
