@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import uuid
 from pathlib import Path
@@ -29,16 +30,16 @@ import escape_task  # noqa: E402  (beside the agent: the run's env.reward)
 
 
 def batch(
-    tokenizer: Any, tmp_path: Path, mode: str, **harness: Any
+    tokenizer: Any, tmp_path: Path, mode: str, agents: Path = AGENTS, **harness: Any
 ) -> tuple[HarnessRunner, Trajectory, list[Trajectory], str]:
-    """The escapee and an honest run at once; the runner, the honest run, the escapee's
-    trajectories, and the marker its leftover processes would carry."""
+    """The escapee and an honest run at once (the agent from ``agents``); the runner, the honest
+    run, the escapee's trajectories, and the marker its leftover processes would carry."""
     add_search_path(AGENTS)
     marker = f"turnrl-escape-{uuid.uuid4().hex}"
     config = HarnessConfig.model_validate(
         {
             "kind": "harness",
-            "command": ["python", str(AGENTS / "escape_agent.py"), "{prompt}", marker],
+            "command": ["python", str(agents / "escape_agent.py"), "{prompt}", marker],
             "reward": "escape_task:reward",
             "setup": "escape_task:setup",
             "env": {"HONEST_WAIT": "2"},
@@ -203,6 +204,20 @@ def test_the_reward_runs_the_tasks_tests_in_the_runs_sandbox(
     assert "ran.txt" in seen["folder"] and not (tmp_path / "out.txt").exists()  # its folder, not the host's
     assert int(seen["out"].splitlines()[-1]) <= 5  # in a PID namespace of its own
     assert traj.reward == 1.0 and traj.info["run"]["commands"][0]["exit_code"] == 0
+
+
+@STARTS
+def test_an_agent_kept_under_tmp_is_seen_over_the_runs_private_tmp(
+    qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]
+) -> None:
+    agents = tmp_path / "agents"  # /tmp/pytest-of-.../agents: read-only, and shown over the run's /tmp
+    agents.mkdir()
+    shutil.copy(AGENTS / "escape_agent.py", agents)
+    escape = {"ESCAPE_PATHS": f"{agents}/escaped"}
+    _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "write", agents, preload=preload, env=escape)
+    assert traj.stop_reason == StopReason.AGENT_DONE, traj.error  # it ran, from its folder under /tmp
+    assert f"{agents}/escaped" not in escape_task.FOUND["escapee"]["wrote"]  # read-only there
+    assert sorted(os.listdir(agents)) == ["escape_agent.py"]
 
 
 @STARTS

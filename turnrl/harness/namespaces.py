@@ -64,10 +64,25 @@ def _tmpfs(target: str, mode: str = "755") -> None:
     _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode}")
 
 
+def _bind(fd: int, path: str, read_only: bool = False) -> None:
+    """Show the file or folder ``fd`` (opened before what hid it) at ``path``, then close ``fd``."""
+    if os.path.isdir(f"/proc/self/fd/{fd}"):
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not os.path.exists(path):
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o444))
+    _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+    if read_only:
+        _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.close(fd)
+
+
 def enter(spec: dict[str, Any]) -> socket.socket | None:
     """In a run just forked by the fork server (one thread, its own session): enter the run's
-    sandbox as ``spec`` says (``folder``, ``read_only``, ``hidden``, ``cgroups``, ``limits``,
-    ``network``, ``bridge``: the gateway's port and socket). Returns in the run's init, PID 1 of
+    sandbox as ``spec`` says (``folder``, ``read_only``, ``visible``: read-only folders under /tmp to
+    show over its private one, ``hidden``, ``cgroups``, ``limits``, ``network``, ``bridge``: the
+    gateway's port and socket). Returns in the run's init, PID 1 of
     its namespace, capabilities dropped, with the bridge's listener (None: no bridge), which the
     agent's process must not keep; the process that called it waits for the init and exits as it
     does, never returning."""
@@ -80,23 +95,19 @@ def enter(spec: dict[str, Any]) -> socket.socket | None:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the server's view
     folder = os.open(spec["folder"], os.O_PATH | os.O_DIRECTORY)  # opened before anything hides it
     files = {path: os.open(path, os.O_PATH) for path in spec.get("read_only", [])}
+    shown = {path: os.open(path, os.O_PATH) for path in spec.get("visible", []) if os.path.exists(path)}
     _tmpfs("/tmp", "1777")
+    for path, fd in shown.items():  # read-only folders under /tmp (a venv, the agent's), shown again
+        _bind(fd, path, read_only=True)
     for path in spec.get("hidden", []):
         if os.path.isdir(path):
             _tmpfs(path)
     if os.path.isdir("/dev/shm"):
         _tmpfs("/dev/shm", "1777")
     os.makedirs(HOME, exist_ok=True)
-    os.makedirs(spec["folder"], exist_ok=True)
-    _mount(f"/proc/self/fd/{folder}", spec["folder"], None, MS_BIND | MS_REC)
+    _bind(folder, spec["folder"])
     for path, fd in files.items():
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if not os.path.exists(path):
-            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o444))
-        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND)
-        _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    for fd in (folder, *files.values()):
-        os.close(fd)
+        _bind(fd, path, read_only=True)
     init = os.fork()  # the first process of the new PID namespace
     if init != 0:
         _wait_for_init(init)

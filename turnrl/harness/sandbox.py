@@ -123,6 +123,7 @@ class BubblewrapRuntime:
         launch.forked = {
             "folder": str(folder),
             "read_only": [str(file) for file in read_only],
+            "visible": [path for path in self.visible if path.startswith("/tmp/")],
             "hidden": [*self.hidden, CGROUPS],
             "cgroups": [
                 f"{CGROUPS}/{roots.index(Path(procs).parent.parent)}/{Path(procs).parent.name}/cgroup.procs"
