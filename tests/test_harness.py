@@ -140,7 +140,7 @@ def test_a_stopped_run_does_not_report_its_calls_in_flight_as_errors(
 
     import httpx
 
-    from turnrl.harness.serving import serve
+    from turnrl.gateway.serving import serve
 
     stuck = Stuck()
     gateway = gateway_for(stuck, qwen3_tokenizer, tmp_path)

@@ -344,8 +344,6 @@ class HarnessConfig(Strict):
     """A run still going after this long is killed with its whole process group (agent_timeout)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables for the agent, on top of this process's own."""
-    api: Literal["any", "openai", "anthropic"] = "any"
-    """The API the agent speaks (every one is served; this names which variables matter)."""
     max_calls: int = Field(256, ge=1)
     """A session's model calls: the next one is refused (HTTP 400), and the run ends as token_budget."""
     max_session_tokens: int = Field(32768, ge=16)

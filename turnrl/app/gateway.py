@@ -7,11 +7,9 @@ tool-call parser follow the model's chat template; every completed call is appen
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-import uvicorn
 from rich.console import Console
 
 from turnrl.app.engines import build_engine
@@ -20,8 +18,9 @@ from turnrl.app.run import SERVERS
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import load_model_config
 from turnrl.gateway.config import GatewayConfig
-from turnrl.gateway.routes import make_app
 from turnrl.gateway.server import Gateway
+from turnrl.gateway.serving import Served
+from turnrl.gateway.serving import serve as serve_gateway
 from turnrl.gateway.store import CallLog
 from turnrl.models import load_vision_processor
 from turnrl.support.run_folder import drop_aside, put_back, release
@@ -58,31 +57,23 @@ async def serve(
     try:
         start_output(out, GATEWAY, config, resume=False)
         gateway = build_gateway(config, console)
-        server = uvicorn.Server(
-            uvicorn.Config(make_app(gateway), config.host, config.port, log_level="warning")
-        )
-        task = asyncio.create_task(server.serve())
+        served: Served | None = None
         try:
-            while not server.started and not task.done():
-                await asyncio.sleep(0.05)
-            if server.started:
-                port = server.servers[0].sockets[0].getsockname()[1]
-                url = f"http://{config.host}:{port}"
+            served = await serve_gateway(gateway, config.host, config.port, signals=True)
+            url = served.url
+            console.print(f"serving {gateway.model} at {url}/v1 (a session per API key, or {url}/s/NAME/v1)")
+            console.print(f"writing {out / 'calls.jsonl'}")
+            if gateway.keys is None:
                 console.print(
-                    f"serving {gateway.model} at {url}/v1 (a session per API key, or {url}/s/NAME/v1)"
+                    f"[yellow]serving without API keys: anyone who reaches {url} can call any session"
+                    " (set api_keys or api_keys_file)[/yellow]"
                 )
-                console.print(f"writing {out / 'calls.jsonl'}")
-                if gateway.keys is None:
-                    console.print(
-                        f"[yellow]serving without API keys: anyone who reaches {url} can call any session"
-                        " (set api_keys or api_keys_file)[/yellow]"
-                    )
-                if ready is not None:
-                    ready(url)
-            await task
+            if ready is not None:
+                ready(url)
+            await served.task
         finally:
-            server.should_exit = True
-            await asyncio.gather(task, return_exceptions=True)
+            if served is not None:
+                await served.close()
             if gateway.log is not None:
                 gateway.log.close()
             await gateway.engine.close()

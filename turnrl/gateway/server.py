@@ -65,11 +65,23 @@ class Gateway:
         self._secrets: dict[str, str] = {}  # session -> the key its calls must carry
         self._owners: dict[str, str] = {}  # key -> its session (sealed), or session -> its key
 
-    def open_session(self, name: str, key: str) -> Session:
-        """Open session ``name``, whose calls must carry ``key`` (a harness run's secret)."""
+    def open_session(
+        self,
+        name: str,
+        key: str,
+        engine: Engine | None = None,
+        sampling: SamplingParams | None = None,
+        seed_key: str | None = None,
+    ) -> Session:
+        """Open session ``name``, whose calls must carry ``key`` (a harness run's secret), served by
+        its own ``engine`` and ``sampling`` (None: the gateway's), its calls' seeds drawn from
+        ``seed_key`` (None: its name)."""
         self._secrets[name] = key
         self._owners[key] = name
-        return self.session(name)
+        session = self.session(name)
+        session.engine, session.sampling = engine, sampling
+        session.seed_key = seed_key if seed_key is not None else name
+        return session
 
     def close_session(self, name: str) -> Session | None:
         """Forget session ``name`` and its key; the session, if it was there."""

@@ -38,12 +38,12 @@ from turnrl.config import HarnessConfig
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.forest import train_once
 from turnrl.gateway.server import Gateway
+from turnrl.gateway.serving import Served, serve
 from turnrl.harness.forkserver import ForkServer
 from turnrl.harness.process import CommandResult, Exit, argv_for, run_agent, run_command
 from turnrl.harness.result import HarnessResult, RewardError, RewardFn, branch_rewards
 from turnrl.harness.runtime import LocalRuntime, Runtime
 from turnrl.harness.sandbox import BubblewrapRuntime
-from turnrl.harness.serving import Served, serve
 from turnrl.rollout.episode import failed_trajectory
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.errors import describe
@@ -149,9 +149,9 @@ class HarnessRunner:
         run_dir = self.root / name
         folder = run_dir / "work"
         key = f"turnrl-{secrets.token_urlsafe(24)}"  # the session's secret: its name is not enough
-        session = self.gateway.open_session(name, key)
-        session.sampling, session.engine = spec.sampling, spec.engine  # a warm start's replay: scripted
-        session.seed_key = f"{sample.id}/{index}"  # seeds as an env's trajectory has: the run repeats
+        # the spec's engine (a warm start's replay: scripted) and sampling; seeds as an env's
+        # trajectory has them (the run repeats)
+        self.gateway.open_session(name, key, spec.engine, spec.sampling, seed_key=f"{sample.id}/{index}")
         try:
             self._prepare(sample, run_dir, folder)
             variables = self._environment(await self.url(), name, key, run_dir, folder)

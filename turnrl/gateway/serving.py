@@ -1,5 +1,6 @@
-"""A gateway served over HTTP on loopback inside the running event loop (uvicorn on a free port),
-beside the rollout engine it shares with the training run."""
+"""A gateway served over HTTP inside the running event loop (uvicorn): on a free loopback port
+beside the rollout engine a harness shares with its training run, or at a configured address by
+``turnrl gateway``, which leaves Ctrl-C and SIGTERM to uvicorn."""
 
 from __future__ import annotations
 
@@ -48,13 +49,24 @@ class Served:
         await asyncio.gather(self.task, return_exceptions=True)
 
 
-async def serve(gateway: Gateway, host: str = "127.0.0.1", unix: Path | None = None) -> Served:
-    """Serve ``gateway`` on a free port of ``host`` in this loop (and on the Unix socket ``unix``,
-    which sandboxed runs reach it by); returns once it listens."""
-    config = uvicorn.Config(make_app(gateway), host, 0, log_level="warning", lifespan="off")
+async def serve(
+    gateway: Gateway,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    unix: Path | None = None,
+    signals: bool = False,
+) -> Served:
+    """Serve ``gateway`` at ``host``:``port`` (0: a free port) in this loop (and on the Unix socket
+    ``unix``, which sandboxed runs reach it by); returns once it listens. ``signals``: Ctrl-C and
+    SIGTERM stop the server (else they are the run's it serves inside)."""
+    config = uvicorn.Config(make_app(gateway), host, port, log_level="warning", lifespan="off")
     logging.getLogger("uvicorn.error").addFilter(_QUIET)  # no-op when it is there already
-    server = _Server(config)
-    listening = socket.create_server((host, 0))
+    server = uvicorn.Server(config) if signals else _Server(config)
+    try:
+        listening = socket.create_server((host, port))
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise OSError(exc.errno, f"the gateway cannot listen at {host}:{port}: {why}") from None
     sockets = [listening]
     if unix is not None:
         at_unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -65,7 +77,7 @@ async def serve(gateway: Gateway, host: str = "127.0.0.1", unix: Path | None = N
     while not server.started:
         if task.done():
             await task  # raises why it could not start
-            raise RuntimeError("the harness gateway stopped before it listened")
+            raise RuntimeError("the gateway stopped before it listened")
         await asyncio.sleep(0.02)
     port = listening.getsockname()[1]
     return Served(server, task, f"http://{host}:{port}", port)
