@@ -14,17 +14,15 @@ from rich.console import Console
 
 from turnrl.app.engines import build_engine
 from turnrl.app.output import GATEWAY, open_output, start_output
+from turnrl.app.parts import build_encoder, template_parser
 from turnrl.app.run import SERVERS
-from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import load_model_config
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.server import Gateway
 from turnrl.gateway.serving import Served
 from turnrl.gateway.serving import serve as serve_gateway
 from turnrl.gateway.store import CallLog
-from turnrl.models import load_vision_processor
 from turnrl.support.run_folder import drop_aside, put_back, release
-from turnrl.tools.parsers import get_parser, parser_for_template
 
 
 def load_gateway_config(path: str | Path, overrides: list[str] | None = None) -> GatewayConfig:
@@ -37,11 +35,8 @@ def build_gateway(config: GatewayConfig, console: Console) -> Gateway:
     out = Path(config.output_dir)
     with console.status(f"loading {config.model}") as status:
         engine, tokenizer = build_engine(config, out / SERVERS, say=status.update)
-    encoder = ChatEncoder(
-        tokenizer, config.chat.template_kwargs, load_vision_processor(config.model, tokenizer)
-    )
-    name = config.tool_parser or parser_for_template(str(getattr(tokenizer, "chat_template", None) or ""))
-    return Gateway(engine, encoder, get_parser(name) if name else None, config, CallLog(out))
+    encoder = build_encoder(config.model, config.chat, tokenizer)
+    return Gateway(engine, encoder, template_parser(tokenizer, config.tool_parser), config, CallLog(out))
 
 
 async def serve(

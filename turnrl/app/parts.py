@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import AnyEnvConfig, DataConfig, EnvConfig, HarnessConfig, RunSections
+from turnrl.config import AnyEnvConfig, ChatConfig, DataConfig, EnvConfig, HarnessConfig, RunSections
 from turnrl.data import read_rows, to_samples
 from turnrl.env.base import Env, EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
@@ -17,6 +17,7 @@ from turnrl.models import load_vision_processor, vocab_size
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.errors import describe
 from turnrl.support.imports import import_object
+from turnrl.tools.parser_base import ToolParser
 from turnrl.types import Engine, Sample
 
 
@@ -82,11 +83,7 @@ def with_runner(spec: RolloutSpec, config: RunSections, out_dir: Path) -> Rollou
         from turnrl.harness import HarnessRunner
     except ImportError as exc:
         raise RunError(f"env.kind harness serves a gateway: pip install 'turnrl[gateway]' ({exc})") from None
-    from turnrl.tools.parsers import get_parser, parser_for_template
-
-    template = spec.encoder.template
-    name = parser_for_template(str(getattr(template.tokenizer, "chat_template", None) or ""))
-    parser = get_parser(name) if name else None
+    parser = template_parser(spec.encoder.template.tokenizer)
     runner = HarnessRunner(env, spec.engine, spec.encoder, parser, config.model, out_dir)
     return dataclasses.replace(spec, runner=runner)
 
@@ -147,11 +144,22 @@ def build_rewards(config: RunSections) -> Rewards:
     return rewards
 
 
+def build_encoder(model: str, chat: ChatConfig, tokenizer: Any) -> ChatEncoder:
+    """The chat encoder of ``model`` (its template's options, its image processor where it has one)."""
+    return ChatEncoder(tokenizer, chat.template_kwargs, load_vision_processor(model, tokenizer))
+
+
+def template_parser(tokenizer: Any, name: str | None = None) -> ToolParser | None:
+    """The tool-call parser ``name``, else the one the model's chat template names (None: none)."""
+    from turnrl.tools.parsers import get_parser, parser_for_template
+
+    name = name or parser_for_template(str(getattr(tokenizer, "chat_template", None) or ""))
+    return get_parser(name) if name else None
+
+
 def build_spec(config: RunSections, engine: Engine, tokenizer: Any, env_factory: EnvFactory) -> RolloutSpec:
     """The rollout spec of a run: its engine, env, chat encoder, sampling (seeded), limits, rewards."""
-    encoder = ChatEncoder(
-        tokenizer, config.chat.template_kwargs, load_vision_processor(config.model, tokenizer)
-    )
+    encoder = build_encoder(config.model, config.chat, tokenizer)
     return RolloutSpec(
         env_factory=env_factory,
         engine=engine,

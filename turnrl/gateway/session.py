@@ -31,7 +31,7 @@ from turnrl.rollout.episode import Episode
 from turnrl.rollout.record import ResponseRecord
 from turnrl.tools.base import ParseResult
 from turnrl.tools.parser_base import ToolParser, split_reasoning
-from turnrl.types import Engine, Generation, Sample, SamplingParams, StopReason, Trajectory
+from turnrl.types import Engine, Generation, Message, Sample, SamplingParams, StopReason, Trajectory
 from turnrl.vision.buffer import MultimodalBuffer, first_images
 from turnrl.vision.content import count_images
 
@@ -191,6 +191,32 @@ def copy_record(record: ResponseRecord, prompt_len: int, end: int, messages: int
     )
 
 
+def record_call(
+    episode: Episode,
+    added: Encoded,
+    added_text: str,
+    gen: Generation,
+    text: str,
+    versions: list[int],
+    call: int,
+    message: Message,
+    seconds: float = 0.0,
+) -> tuple[int, int]:
+    """One call into its branch's record, as it was served or as it is read back: what the call
+    added (environment tokens), then the reply it sampled (``call``: its place among the session's
+    calls; ``message``: the reply as sampled; ``versions``: each token's weight version). The
+    record's tokens and messages before the reply."""
+    record = episode.record
+    if added.ids or added.messages:
+        record.add_env(added, added_text, 0.0, 0)
+    before = len(record.sequence), len(record.messages)
+    record.add_model(gen, text, seconds, versions)
+    record.turns[-1].info["call"] = call
+    record.messages.append(message)
+    episode.stop = reply_stop(gen.finish_reason)
+    return before
+
+
 def forked_episode(source: Episode, index: int, point: Checkpoint, after_reply: bool) -> Episode:
     """A new branch's episode: ``source``'s tokens up to ``point``'s request (or its reply)."""
     end, kept = (
@@ -315,9 +341,6 @@ class Session:
         record = branch.episode.record
         if plan.new:
             self.branches.append(branch)
-        if plan.added.ids or plan.added.messages:
-            record.add_env(plan.added, branch.conv.template.decode(plan.added.ids), 0.0, 0)
-        prompt_end, prompt_messages = len(record.sequence), len(record.messages)
         text, last = branch.conv.assistant_text(gen.token_ids)
         # a reply cut at max_tokens is closed by the template's end of turn, as environment tokens
         # of the next call's delta: what follows it stays exact (see Checkpoint.open)
@@ -326,11 +349,12 @@ class Session:
         branch.episode.last_token_text = last
         reply = self._reply(text, gen, branch)
         branch.tool_calls += len(reply.parsed.calls)
-        record.add_model(gen, text, seconds, versions)
-        record.turns[-1].info["call"] = self.calls  # its place among the session's calls
-        record.messages.append(sampled_message(text, reply.parsed.calls, reply.call_ids))
+        added_text = branch.conv.template.decode(plan.added.ids)
+        message = sampled_message(text, reply.parsed.calls, reply.call_ids)
+        prompt_end, prompt_messages = record_call(
+            branch.episode, plan.added, added_text, gen, text, versions, self.calls, message, seconds
+        )
         branch.episode.timings["time/generate"] += seconds
-        branch.episode.stop = reply_stop(gen.finish_reason)
         branch.seen = [*plan.messages, reply.message]
         branch.checkpoints.append(
             Checkpoint(

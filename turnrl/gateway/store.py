@@ -19,7 +19,7 @@ from typing import Any
 
 from turnrl.chat.encoder import Encoded
 from turnrl.gateway.forest import train_once
-from turnrl.gateway.session import Plan, Reply, copy_record, reply_stop
+from turnrl.gateway.session import Plan, Reply, copy_record, record_call
 from turnrl.rollout.collector import JsonlWriter
 from turnrl.rollout.episode import Episode
 from turnrl.types import Generation, Message, Sample, Trajectory
@@ -150,19 +150,25 @@ def read_branches(path: Path, self_contained: bool = False) -> list[Trajectory]:
             episodes[where] = _start(call, episodes)
             links[where] = {k: call.get(k) for k in ("parent", "reason", "shared_tokens")}
             links[where]["fork_at"] = (call.get("fork") or {}).get("at")
-        episode = episodes[where]
+        added = Encoded(call["added_ids"], [], [])
         if call["added_ids"] or call["added_messages"]:
             messages, images = _read_images(
                 {"messages": call["added_messages"], "images": call.get("added_images")}
             )
-            episode.record.add_env(Encoded(call["added_ids"], messages, images), "", 0.0, 0)
+            added = Encoded(call["added_ids"], messages, images)
         gen = Generation(call["ids"], call["logprobs"], call["finish_reason"], None, call["versions"])
-        episode.record.add_model(gen, call["text"], 0.0, call["versions"])
-        episode.record.turns[-1].info["call"] = calls.get(call["session"], 0)
+        record_call(
+            episodes[where],
+            added,
+            "",
+            gen,
+            call["text"],
+            call["versions"],
+            calls.get(call["session"], 0),
+            call["sampled_message"],
+        )
         calls[call["session"]] = calls.get(call["session"], 0) + 1
-        episode.record.messages.append(call["sampled_message"])
         tool_calls[where] = tool_calls.get(where, 0) + len(call["reply"].get("tool_calls") or ())
-        episode.stop = reply_stop(call["finish_reason"])
     out = []
     for (session, index), episode in episodes.items():
         traj = episode.trajectory()
