@@ -17,7 +17,7 @@ from turnrl.train.config import LoraSettings, TrainConfig
 from turnrl.train.data_parallel import close_ranks, init_ranks, shard
 from turnrl.train.fsdp import full_state_dict, shard_policy
 from turnrl.train.lora import wrap_lora
-from turnrl.train.update import Learner, prepare, update_policy
+from turnrl.train.update import Learner, fill_old_logprobs, update_policy
 
 
 def fixed_samples(count: int) -> list[TrainSample]:
@@ -91,7 +91,7 @@ def main(model_dir: str, out: str, mode: str = "replicated") -> None:
         batches = batches_of(mine, budget, 0, packed=False, share_min=4)
     else:
         batches = [collate(group, 0) for group in micro_batches(mine, budget)]
-    prepare(learner, batches)
+    fill_old_logprobs(learner, batches)
     metrics: dict[str, object] = dict(update_policy(learner, batches, tokens))
     metrics["micro_batches"] = len(batches)
     metrics["shared"] = [b.shared_prefix for b in batches]  # after the ranks' votes

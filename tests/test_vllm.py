@@ -118,7 +118,7 @@ def test_train_takes_vllm_and_refuses_engines_whose_weights_it_cannot_update() -
 def test_in_flight_updates_need_servers_and_one_training_process() -> None:
     from rich.console import Console
 
-    from turnrl.app.training import server_engine
+    from turnrl.app.training import training_server_engine
     from turnrl.config import ConfigError
     from turnrl.train.config import load_train_config
     from turnrl.train.data_parallel import Ranks
@@ -130,7 +130,7 @@ def test_in_flight_updates_need_servers_and_one_training_process() -> None:
     )
     assert isinstance(config.engine, VLLMEngineConfig)
     with pytest.raises(ConfigError, match="keep_in_flight is not supported under torchrun"):
-        server_engine(config, config.engine, Console(), Ranks(rank=1, world=2))  # before any server
+        training_server_engine(config, config.engine, Console(), Ranks(rank=1, world=2))  # before any server
 
 
 def test_the_policy_trains_on_train_device_which_the_embedded_engine_shares() -> None:

@@ -19,7 +19,7 @@ from turnrl.app.run import SERVERS
 from turnrl.config import load_model_config
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.server import Gateway
-from turnrl.gateway.serving import Served
+from turnrl.gateway.serving import GatewayServer
 from turnrl.gateway.serving import serve as serve_gateway
 from turnrl.gateway.store import CallLog
 from turnrl.support.run_folder import drop_aside, put_back, release
@@ -52,7 +52,7 @@ async def serve(
     try:
         start_output(out, GATEWAY, config, resume=False)
         gateway = build_gateway(config, console)
-        served: Served | None = None
+        served: GatewayServer | None = None
         try:
             served = await serve_gateway(gateway, config.host, config.port, signals=True)
             url = served.url

@@ -170,10 +170,10 @@ def _engine(
     config: TrainConfig, policy: Any, spec: ModelSpec, tokenizer: Any, console: Console, ranks: Ranks
 ) -> Engine:
     """The rollout engine for the plain (not yet LoRA-wrapped) policy: the embedded one on a copy of
-    it, or vLLM servers (``server_engine``)."""
+    it, or vLLM servers (``training_server_engine``)."""
     e = config.engine
     if isinstance(e, VLLMEngineConfig):
-        return server_engine(config, e, console, ranks)
+        return training_server_engine(config, e, console, ranks)
     if not isinstance(e, HFEngineConfig):  # refused by TrainConfig; here for the type checker
         raise TypeError(f"turnrl train cannot update the weights of engine.kind {e.kind!r}")
     engine_model = torch.nn.Module.to(copy.deepcopy(policy), dtype=getattr(torch, e.dtype))
@@ -182,7 +182,9 @@ def _engine(
     )
 
 
-def server_engine(config: TrainConfig, e: VLLMEngineConfig, console: Console, ranks: Ranks) -> Engine:
+def training_server_engine(
+    config: TrainConfig, e: VLLMEngineConfig, console: Console, ranks: Ranks
+) -> Engine:
     """Clients for vLLM servers: ``engine.urls``, else servers started here, logging into
     ``OUT/servers/``. Under torchrun the first rank starts them and every rank rolls out its share of
     the prompts through them (the servers batch every rank's requests together)."""

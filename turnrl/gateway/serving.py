@@ -37,7 +37,7 @@ class _QuietCancellations(logging.Filter):
 _QUIET = _QuietCancellations()
 
 
-class Served:
+class GatewayServer:
     """A started server: its base URL and port, and ``close``."""
 
     def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], url: str, port: int) -> None:
@@ -55,7 +55,7 @@ async def serve(
     port: int = 0,
     unix: Path | None = None,
     signals: bool = False,
-) -> Served:
+) -> GatewayServer:
     """Serve ``gateway`` at ``host``:``port`` (0: a free port) in this loop (and on the Unix socket
     ``unix``, which sandboxed runs reach it by); returns once it listens. ``signals``: Ctrl-C and
     SIGTERM stop the server (else they are the run's it serves inside)."""
@@ -80,4 +80,4 @@ async def serve(
             raise RuntimeError("the gateway stopped before it listened")
         await asyncio.sleep(0.02)
     port = listening.getsockname()[1]
-    return Served(server, task, f"http://{host}:{port}", port)
+    return GatewayServer(server, task, f"http://{host}:{port}", port)

@@ -68,7 +68,7 @@ def reply_stop(finish_reason: str) -> StopReason:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class CallPoint:
     """Where a branch stood at one call: its request's messages and tokens, and after the reply."""
 
     request_messages: int  # API messages in the call's request (a prefix of the branch's ``seen``)
@@ -91,7 +91,7 @@ class Branch:
     conv: ConversationEncoder  # the branch's delta encoder (its tools)
     tools_key: str  # the tools it was encoded with, as canonical JSON
     seen: list[dict[str, Any]] = field(default_factory=list)  # the last request and the reply given
-    checkpoints: list[Checkpoint] = field(default_factory=list)  # one per call
+    points: list[CallPoint] = field(default_factory=list)  # one per call
     parent: int | None = None  # the branch it forked from
     reason: Reason = Reason.FIRST
     shared_tokens: int = 0  # leading tokens equal to the parent's
@@ -102,12 +102,12 @@ class Branch:
     @property
     def calls(self) -> int:
         """Calls answered on this branch."""
-        return len(self.checkpoints)
+        return len(self.points)
 
     @property
     def open(self) -> bool:
-        """Whether a continuation appends (``Checkpoint.open``)."""
-        return bool(self.checkpoints) and self.checkpoints[-1].open
+        """Whether a continuation appends (``CallPoint.open``)."""
+        return bool(self.points) and self.points[-1].open
 
     def extends(self, messages: list[dict[str, Any]], tools_key: str) -> bool:
         """Whether ``messages`` continue this branch: its last request, the reply, then more."""
@@ -217,7 +217,7 @@ def record_call(
     return before
 
 
-def forked_episode(source: Episode, index: int, point: Checkpoint, after_reply: bool) -> Episode:
+def forked_episode(source: Episode, index: int, point: CallPoint, after_reply: bool) -> Episode:
     """A new branch's episode: ``source``'s tokens up to ``point``'s request (or its reply)."""
     end, kept = (
         (point.reply_end, point.reply_record_messages)
@@ -292,15 +292,15 @@ class Session:
 
     def _fork(
         self, messages: list[dict[str, Any]], key_of_tools: str
-    ) -> tuple[Branch, Checkpoint, bool] | None:
+    ) -> tuple[Branch, CallPoint, bool] | None:
         """The longest token-exact prefix of ``messages`` any branch holds: an earlier request sent
         again (False), or an earlier request and its reply followed by more messages (True)."""
-        best: tuple[int, Branch, Checkpoint, bool] | None = None
+        best: tuple[int, Branch, CallPoint, bool] | None = None
         for branch in self.branches:
             if branch.tools_key != key_of_tools:
                 continue
             shared = first_difference(messages, branch.seen)
-            for point in branch.checkpoints:
+            for point in branch.points:
                 n = point.request_messages
                 if len(messages) == n and shared >= n:
                     found = (point.prompt_end, branch, point, False)
@@ -326,7 +326,7 @@ class Session:
         if n == len(seen) and len(messages) > n:
             return parent.index, Reason.CUT_REPLY
         if n == len(messages):
-            retry = any(p.request_messages == n for p in parent.checkpoints)
+            retry = any(p.request_messages == n for p in parent.points)
             return parent.index, Reason.RETRY if retry else Reason.TRUNCATION
         start = min(_conversation_start(seen), _conversation_start(messages))
         if n <= start:  # the conversation's start replaced: shorter is a summary, else another agent's
@@ -343,7 +343,7 @@ class Session:
             self.branches.append(branch)
         text, last = branch.conv.assistant_text(gen.token_ids)
         # a reply cut at max_tokens is closed by the template's end of turn, as environment tokens
-        # of the next call's delta: what follows it stays exact (see Checkpoint.open)
+        # of the next call's delta: what follows it stays exact (see CallPoint.open)
         cut = gen.finish_reason == "length"
         last = None if cut else last
         branch.episode.last_token_text = last
@@ -356,8 +356,8 @@ class Session:
         )
         branch.episode.timings["time/generate"] += seconds
         branch.seen = [*plan.messages, reply.message]
-        branch.checkpoints.append(
-            Checkpoint(
+        branch.points.append(
+            CallPoint(
                 len(plan.messages),
                 prompt_end,
                 prompt_messages,

@@ -60,9 +60,9 @@ SCRIPTS = (".py", ".sh", ".js", ".mjs", ".cjs", ".ts", ".rb", ".pl")  # an argum
 def argv_for(command: list[str] | str, prompt: str) -> list[str]:
     """The argv of ``command``: a list with ``{prompt}`` filled in, ``python`` as this interpreter
     and arguments naming an existing file (``find_file``) made absolute, since the agent runs in its
-    own folder; or a "module:function" run by ``python -m turnrl.harness.call``."""
+    own folder; or a "module:function" run by ``python -m turnrl.harness.function_agent``."""
     if isinstance(command, str):
-        return [sys.executable, "-m", "turnrl.harness.call", command]
+        return [sys.executable, "-m", "turnrl.harness.function_agent", command]
     argv = [program_path(command[0])]
     for part in command[1:]:
         found = find_file(part)

@@ -12,7 +12,7 @@ from turnrl.harness.process import CommandResult
 from turnrl.support.user_code import raised_at
 from turnrl.types import Message, Sample, Trajectory
 
-RewardFn = Callable[[Sample, "HarnessResult"], Any]
+HarnessRewardFn = Callable[[Sample, "HarnessResult"], Any]
 CommandRunner = Callable[[list[str], float], CommandResult]
 
 
@@ -63,7 +63,7 @@ class Scores:
     per_branch: bool
 
 
-def branch_rewards(fn: RewardFn, sample: Sample, result: HarnessResult) -> Scores | None:
+def branch_rewards(fn: HarnessRewardFn, sample: Sample, result: HarnessResult) -> Scores | None:
     """Per branch, its reward: ``fn``'s float for every branch, its list (one per branch), or None
     (the run is left out). ``RewardError`` says in one line what was wrong."""
     try:

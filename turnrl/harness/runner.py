@@ -38,10 +38,10 @@ from turnrl.config import HarnessConfig
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.forest import train_once
 from turnrl.gateway.server import Gateway
-from turnrl.gateway.serving import Served, serve
+from turnrl.gateway.serving import GatewayServer, serve
 from turnrl.harness.forkserver import ForkServer
 from turnrl.harness.process import CommandResult, Exit, argv_for, run_agent, run_command
-from turnrl.harness.result import HarnessResult, RewardError, RewardFn, branch_rewards
+from turnrl.harness.result import HarnessResult, HarnessRewardFn, RewardError, branch_rewards
 from turnrl.harness.runtime import LocalRuntime, Runtime
 from turnrl.harness.sandbox import BubblewrapRuntime
 from turnrl.rollout.episode import failed_trajectory
@@ -84,7 +84,7 @@ class HarnessRunner:
             parser = get_parser(config.tool_parser)
         self.gateway = Gateway(engine, encoder, parser, gateway_config)
         self.gateway.sealed = True  # a run's session answers its own key only
-        self.reward: RewardFn = import_object(config.reward, "env.reward")
+        self.reward: HarnessRewardFn = import_object(config.reward, "env.reward")
         self._reward_errors: set[str] = set()  # said on the console already
         self.setup = import_object(config.setup, "env.setup") if config.setup else None
         self.skip = [re.compile(pattern) for pattern in config.skip_system]
@@ -101,7 +101,7 @@ class HarnessRunner:
             self.runtime = BubblewrapRuntime(
                 config.sandbox, [*search_path(), *files], hidden=[out_dir, self.root]
             )
-        self._serving: asyncio.Future[Served] | None = None  # the gateway's start, shared by every run
+        self._serving: asyncio.Future[GatewayServer] | None = None  # the gateway's start, shared by every run
         self._socket_dir: Path | None = None  # where the gateway's Unix socket is, for sandboxed runs
         self.forks = None
         if config.preload:  # its imports see the variables every run has (env.env's fixed ones)
@@ -123,7 +123,7 @@ class HarnessRunner:
             self._serving = asyncio.ensure_future(self._serve(unix))
         return (await asyncio.shield(self._serving)).url
 
-    async def _serve(self, unix: Path | None) -> Served:
+    async def _serve(self, unix: Path | None) -> GatewayServer:
         served = await serve(self.gateway, unix=unix)
         if unix is not None and isinstance(self.runtime, BubblewrapRuntime):
             self.runtime.gateway = (served.port, unix)  # sandboxed runs reach it by the socket
@@ -136,7 +136,7 @@ class HarnessRunner:
         serving, self._serving = self._serving, None
         if serving is not None:
             served = await asyncio.gather(serving, return_exceptions=True)
-            if isinstance(served[0], Served):
+            if isinstance(served[0], GatewayServer):
                 await served[0].close()
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)

@@ -58,7 +58,7 @@ def update(learner: Learner, batches: list[Batch], tokens: int) -> dict[str, flo
     """Old logprobs, then the optimizer steps (``update_policy``); their metrics. Run in a worker
     thread, it hands the cores back to the engine when done (``turnrl.support.openmp``)."""
     try:
-        prepared = prepare(learner, batches) if batches or learner.sharded is not None else {}
+        prepared = fill_old_logprobs(learner, batches) if batches or learner.sharded is not None else {}
         return prepared | update_policy(learner, batches, tokens)
     finally:
         release_pool()
@@ -83,7 +83,7 @@ def logprobs_of(learner: Learner, model: Any, batch: Batch) -> torch.Tensor:
     )
 
 
-def prepare(learner: Learner, batches: list[Batch]) -> dict[str, float]:
+def fill_old_logprobs(learner: Learner, batches: list[Batch]) -> dict[str, float]:
     """Fill in old (and reference) logprobs; the rollout importance-ratio stats."""
     algo = learner.config.algorithm
     with torch.no_grad():

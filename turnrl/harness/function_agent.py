@@ -1,6 +1,6 @@
-"""``python -m turnrl.harness.call module:function``: run a harness agent given as a Python callable,
-in a process of its own: ``fn(sample, folder)`` with the row (TURNRL_SAMPLE) and the working folder
-(sync or async). An exception is printed and exits 1."""
+"""``python -m turnrl.harness.function_agent module:function``: run a harness agent given as a
+Python callable, in a process of its own: ``fn(sample, folder)`` with the row (TURNRL_SAMPLE) and
+the working folder (sync or async). An exception is printed and exits 1."""
 
 from __future__ import annotations
 
