@@ -234,3 +234,26 @@ def test_a_sandboxed_run_cannot_unmount_its_way_to_the_other_runs(
 
 def _sandbox(name: str) -> dict[str, Any]:
     return {"sandbox": "none"} if name == "none" else {"preload": ["openai"]} if "forked" in name else {}
+
+
+def test_a_fork_server_that_cannot_make_runs_sandboxes_says_so_in_one_line(tmp_path: Path) -> None:
+    """A sandboxed fork server on a machine (here: a sandbox without capabilities) where a run could
+    not make its namespaces stops at its start with one line, before importing anything."""
+    from turnrl.harness.forkserver import ForkServer
+
+    def sandbox() -> list[str]:  # every capability dropped: no unshare is allowed in it
+        bwrap = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--cap-drop", "ALL"]
+        return [*bwrap, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--"]
+
+    server = ForkServer(["json"], sandbox=sandbox)
+    out = tmp_path / "out"
+    out.touch()
+
+    async def go() -> None:
+        try:
+            await server.spawn(["python", "-c", "pass"], str(tmp_path), {}, str(out), str(out), {})
+        finally:
+            await server.close()
+
+    with pytest.raises(OSError, match=r"^env.preload with env.sandbox: this machine does not let a"):
+        asyncio.run(go())

@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from turnrl.harness.keeper import keep_forked, reaped
-from turnrl.harness.namespaces import enter
+from turnrl.harness.namespaces import can_enter, enter
 from turnrl.support.errors import describe
 
 _PROTOCOL = 1  # the fd the server speaks on: stdout's own, moved aside so that imports cannot print on it
@@ -108,9 +108,14 @@ def main() -> None:
     _PROTOCOL = os.dup(1)
     os.dup2(2, 1)  # what the server or an import prints goes to stderr
     args, search = sys.argv[1:], []
+    sandboxed = args[:1] == ["--sandboxed"]
+    args = args[1:] if sandboxed else args
     while args[:1] == ["--path"]:
         search.append(args[1])
         args = args[2:]
+    if sandboxed and (why := can_enter()):  # before any import: one line, not a failure per run
+        _say({"error": f"{why}; drop env.preload (sandboxed runs then start as new processes)"})
+        sys.exit(2)
     sys.path.extend(search)
     for name in args:
         module, _, function = name.partition(":")

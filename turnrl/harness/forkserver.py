@@ -13,7 +13,8 @@ What it shares with the server is what was imported before the fork, so a
 preloaded module must not read the run's variables at import time (it saw turnrl's).
 
 The server is its own program, ``turnrl.harness.forked``; this module is turnrl's side. ``python
--c SERVE [--path FOLDER]... MODULE...`` (SERVE imports ``turnrl.harness.forked.main`` and calls it,
+-c SERVE [--sandboxed] [--path FOLDER]... MODULE...`` (``--sandboxed``: the server checks it can
+make a run's namespaces before it imports anything; SERVE imports ``turnrl.harness.forked.main`` and calls it,
 rather than ``-m``, which would run that module twice: as ``__main__`` and as imported; FOLDER:
 where else a module may be, for its import only; a "module:function" is
 imported and called once, a warm-up) speaks JSON lines. On stdin: one request per run (``{"id",
@@ -152,6 +153,7 @@ class ForkServer:
                 sys.executable,
                 "-c",
                 SERVE,
+                *(["--sandboxed"] if self.sandbox is not None else []),
                 *[arg for folder in self.search for arg in ("--path", folder)],
                 *self.preload,
                 stdin=asyncio.subprocess.PIPE,

@@ -121,6 +121,35 @@ def enter(spec: dict[str, Any]) -> socket.socket | None:
     return listener
 
 
+def can_enter() -> str | None:
+    """Why a run forked here could not make its namespaces (one line), or None: a child tries."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read)
+        reason = b""
+        try:
+            _check(
+                _libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET),
+                "unshare",
+            )
+            _mount(None, "/", None, MS_REC | MS_PRIVATE)
+            _tmpfs("/tmp", "1777")
+        except OSError as exc:
+            reason = str(exc.strerror or exc).encode()
+        os.write(write, reason)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        why = f.read().decode()
+    os.waitpid(child, 0)
+    return (
+        f"env.preload with env.sandbox: this machine does not let a forked run make its sandbox ({why})"
+        if why
+        else None
+    )
+
+
 def _wait_for_init(init: int) -> None:
     """The run's side outside its namespace: wait for its init and exit as it did; a SIGTERM (the
     run's timeout) kills the init, and with it every process of the run, at once."""
