@@ -150,12 +150,9 @@ def read_branches(path: Path, self_contained: bool = False) -> list[Trajectory]:
             episodes[where] = _start(call, episodes)
             links[where] = {k: call.get(k) for k in ("parent", "reason", "shared_tokens")}
             links[where]["fork_at"] = (call.get("fork") or {}).get("at")
-        added = Encoded(call["added_ids"], [], [])
-        if call["added_ids"] or call["added_messages"]:
-            messages, images = _read_images(
-                {"messages": call["added_messages"], "images": call.get("added_images")}
-            )
-            added = Encoded(call["added_ids"], messages, images)
+        added_record = {"messages": call["added_messages"], "images": call.get("added_images")}
+        messages, images = _read_images(added_record)
+        added = Encoded(call["added_ids"], messages, images)
         gen = Generation(call["ids"], call["logprobs"], call["finish_reason"], None, call["versions"])
         record_call(
             episodes[where],

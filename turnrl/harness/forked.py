@@ -21,7 +21,7 @@ import sys
 from types import TracebackType
 from typing import Any
 
-from turnrl.harness.keeper import keep_forked, reaped
+from turnrl.harness.keeper import keep_forked, reaped, signal_process
 from turnrl.harness.namespaces import can_enter, enter
 from turnrl.support.errors import describe
 
@@ -55,8 +55,7 @@ def _serve() -> dict[str, Any]:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
             if "kill" in request:  # a signal for a run, sent from here: its pid is of this namespace
-                with contextlib.suppress(OSError):
-                    (os.killpg if request.get("group") else os.kill)(request["kill"], request["signal"])
+                signal_process(request["kill"], request["signal"], bool(request.get("group")))
                 continue
             sys.stdout.flush()
             sys.stderr.flush()

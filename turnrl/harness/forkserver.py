@@ -36,6 +36,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from turnrl.harness.keeper import signal_process
+
 
 def forkable(argv: list[str]) -> list[str] | None:
     """``argv`` as ``[python, script, ...]`` or ``[python, -m, module, ...]`` when it runs this
@@ -113,8 +115,7 @@ class ForkServer:
         """Send ``sig`` to the run ``pid`` (``group``: to its whole process group). A sandboxed
         server's pids are of its own PID namespace, so it sends the signal itself; gone: no-op."""
         if self.sandbox is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                (os.killpg if group else os.kill)(pid, sig)
+            signal_process(pid, sig, group)
             return
         proc = self._proc
         if proc is not None and proc.stdin is not None and not proc.stdin.is_closing():

@@ -102,6 +102,13 @@ def wait_for(pid: int) -> int:
             return os.waitstatus_to_exitcode(status)
 
 
+def signal_process(pid: int, sig: int, group: bool = False) -> None:
+    """``sig`` to the process ``pid`` of this PID namespace (``group``: its whole process group);
+    gone already, or not ours: nothing to do."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        (os.killpg if group else os.kill)(pid, sig)
+
+
 def end(code: int) -> None:
     """Kill what is left, then exit with ``code`` (a signal by the signal itself, or as 128 + N by
     the init of a PID namespace, which its own signals cannot end)."""

@@ -43,6 +43,7 @@ PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 24, 28
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 SECURE_NOROOT = 0x0F  # SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP and their locks: uid 0 gains no capability
 CAPABILITY_VERSION_3 = 0x20080522
+RUN_NAMESPACES = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS  # and CLONE_NEWNET, unless host
 SIOCSIFFLAGS, IFF_UP = 0x8914, 0x1
 HOME = "/tmp/home"
 
@@ -90,8 +91,7 @@ def enter(spec: dict[str, Any]) -> socket.socket | None:
         with open(procs, "w") as f:
             f.write("0")
     own_net = spec.get("network", "gateway") == "gateway"
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNET if own_net else 0)
-    _check(_libc.unshare(flags), "unshare")
+    _check(_libc.unshare(RUN_NAMESPACES | (CLONE_NEWNET if own_net else 0)), "unshare")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the server's view
     folder = os.open(spec["folder"], os.O_PATH | os.O_DIRECTORY)  # opened before anything hides it
     files = {path: os.open(path, os.O_PATH) for path in spec.get("read_only", [])}
@@ -129,10 +129,7 @@ def can_enter() -> str | None:
         os.close(read)
         reason = b""
         try:
-            _check(
-                _libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET),
-                "unshare",
-            )
+            _check(_libc.unshare(RUN_NAMESPACES | CLONE_NEWNET), "unshare")
             _mount(None, "/", None, MS_REC | MS_PRIVATE)
             _tmpfs("/tmp", "1777")
         except OSError as exc:

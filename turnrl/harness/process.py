@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from turnrl.harness.forkserver import ForkServer, forkable
+from turnrl.harness.keeper import signal_process
 from turnrl.harness.runtime import Launch
 from turnrl.support.imports import search_path
 
@@ -147,14 +148,7 @@ def tail(path: Path) -> str:
 
 def kill_group(pid: int) -> None:
     """SIGKILL every process of the group ``pid`` leads (gone already: nothing to do)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-def send(pid: int, sig: int, group: bool = False) -> None:
-    """``sig`` to the process ``pid`` of this PID namespace (``group``: its group); gone: no-op."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        (os.killpg if group else os.kill)(pid, sig)
+    signal_process(pid, signal.SIGKILL, group=True)
 
 
 async def run_agent(
@@ -171,7 +165,8 @@ async def run_agent(
     t0 = loop.time()
     out, err = logs.with_suffix(".stdout"), logs.with_suffix(".stderr")
     waited: Callable[[int], Awaitable[int]]
-    signal_run: Callable[[int, int, bool], None] = send  # a forked run's pid is its server's to signal
+    # a forked run's pid is of its server's PID namespace: the server signals it
+    signal_run: Callable[[int, int, bool], None] = signal_process
     python = forkable(launch.command) if forks and launch.sandboxed == (forks.sandbox is not None) else None
     try:
         if forks is not None and python is not None:
