@@ -14,7 +14,17 @@ from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.collector import collect, read_trajectories
 from turnrl.rollout.loop import RolloutSpec, env_seed, run_trajectory
 from turnrl.testing import EchoEnv, ScriptedEngine
-from turnrl.types import SCHEMA_VERSION, Limits, Sample, SamplingParams, StepResult, StopReason, Trajectory
+from turnrl.types import (
+    SCHEMA_VERSION,
+    AgentRun,
+    Limits,
+    Sample,
+    SamplingParams,
+    SessionBranch,
+    StepResult,
+    StopReason,
+    Trajectory,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "trajectory_schema.json"
 PROMPT = [{"role": "user", "content": "Say a, then b."}]
@@ -56,6 +66,22 @@ def test_records_of_schema_1_still_read() -> None:
     old = {"id": "a/0", "group_id": "a", "data_source": "d", "stop_reason": "max_turns", "turns": []}
     traj = trajectory_from_json(old)
     assert traj.stop_reason == StopReason.MAX_TURNS and traj.response_ids == []
+
+
+def test_a_schema_4_branch_reads_into_its_typed_fields() -> None:
+    # schema 4 carried a session branch's links, its agent run and its exclusion as info keys
+    turns = [{"role": "assistant", "start": 0, "end": 1, "text": "a", "info": {"call": 3, "note": 1}}]
+    info = {"session": "s1", "branch": 2, "parent": 0, "reason": "retry", "shared_tokens": 5, "fork_at": 5}
+    info |= {"forest": {"trunk": 4, "unchosen": 1}, "run": {"exit_code": 0, "seconds": 1.5, "calls": 4}}
+    info |= {"run_reward": 0.5, "exclude": "unchosen", "num_tool_calls": 2}
+    old = {"schema_version": 4, "group_id": "a", "data_source": "d", "stop_reason": "agent_done"}
+    traj = trajectory_from_json(old | {"id": "a/0/2", "turns": turns, "info": info, "response_ids": [7]})
+    assert traj.branch == SessionBranch("s1", 2, 0, "retry", 5, 5, trunk_tokens=4, unchosen_tokens=1)
+    assert traj.run == AgentRun(0, 1.5, 4, reward=0.5) and traj.exclude == "unchosen"
+    assert traj.turns[0].call == 3 and traj.turns[0].info == {"note": 1}
+    assert traj.info == {"num_tool_calls": 2}  # what stays free-form
+    again = trajectory_from_json(json.loads(json.dumps(trajectory_to_json(traj))))
+    assert again == traj  # and schema 5 writes them as fields
 
 
 async def test_a_bug_is_an_internal_error_not_an_env_error(qwen3_tokenizer: Any) -> None:

@@ -52,7 +52,7 @@ def run_agent(url: str) -> None:
 def trained_positions(trajs: list[Trajectory], mode: str) -> Counter[tuple[int, ...]]:
     """How many times each (context + token) is trained in the samples the trainer builds."""
     for traj in trajs:
-        traj.reward = 1.0 if traj.info["branch"] % 2 else 0.0  # any advantages that are not all zero
+        traj.reward = 1.0 if traj.branch.index % 2 else 0.0  # any advantages that are not all zero
     samples = build_samples(mode, trajs, compute_advantages("grpo", trajs))
     out: Counter[tuple[int, ...]] = Counter()
     for sample in samples:
@@ -108,7 +108,7 @@ def test_every_sampled_token_is_trained_once_and_unchosen_replies_never(session:
         assert sum(len(s) for _, s in seen) == len(expected)  # each sampled token has its own context
         assert {key: weights[key] for key in expected} == dict(expected)
         assert set(weights) <= set(expected)  # nothing else is trained
-        assert sum(t.info["forest"]["unchosen"] for t in trajs) == sum(len(seen[k][1]) for k in unchosen)
+        assert sum(t.branch.unchosen_tokens for t in trajs) == sum(len(seen[k][1]) for k in unchosen)
 
 
 def test_self_contained_branches_train_their_trunk_again(session: Any) -> None:
@@ -116,8 +116,8 @@ def test_self_contained_branches_train_their_trunk_again(session: Any) -> None:
     own = read_branches(calls, self_contained=True)
     once = read_branches(calls)
     assert [t.input_ids for t in own] == [t.input_ids for t in once]
-    trunk = sum(t.info["forest"]["trunk"] for t in once)
-    unchosen = sum(t.info["forest"]["unchosen"] for t in once)
+    trunk = sum(t.branch.trunk_tokens for t in once)
+    unchosen = sum(t.branch.unchosen_tokens for t in once)
     assert trunk > 0 and sum(map(sum, (t.loss_mask for t in own))) == (
         sum(map(sum, (t.loss_mask for t in once))) + trunk + unchosen
     )
@@ -126,9 +126,9 @@ def test_self_contained_branches_train_their_trunk_again(session: Any) -> None:
 def test_a_trunk_whose_branch_is_left_out_is_trained_by_the_first_branch_that_holds_it(session: Any) -> None:
     gateway, unchosen, calls = session
     trajs = read_branches(calls, self_contained=True)
-    trajs[1].info["exclude"] = "not_reinforced"  # the retry branch (reinforce: last, skip_system)
+    trajs[1].exclude = "not_reinforced"  # the retry branch (reinforce: last, skip_system)
     train_once(trajs)
-    weights = trained_positions([t for t in trajs if not t.info.get("exclude")], "trajectory")
+    weights = trained_positions([t for t in trajs if not t.exclude], "trajectory")
     retry = gateway.sessions["forest"].branches[1]
     own = [k for k, where in enumerate(gateway.engine.where) if where == "forest/1"]
     for k in own:  # the retry's replies: the sample branch, which copied them, trains them

@@ -141,7 +141,7 @@ def test_rewritten_histories_start_branches_that_say_why(qwen3_tokenizer: Any, t
     assert branches[4].fork_at == len(seen[0][0]) + len(seen[0][1])
     assert_exact(branches[4].trajectory("rewriter"), [seen[0], seen[6]])
     on_disk = read_branches(tmp_path / "calls.jsonl")
-    assert [(t.info["reason"], t.info["parent"]) for t in on_disk] == [
+    assert [(t.branch.reason, t.branch.parent) for t in on_disk] == [
         ("first", None), ("retry", 0), ("compaction", 1), ("subagent", 2), ("edit", 0),
     ]  # fmt: skip
     assert [t.input_ids for t in on_disk] == [b.sequence for b in branches]
@@ -227,7 +227,7 @@ def test_the_cli_serves_and_a_kill_loses_no_completed_call(tiny_qwen3_dir: Path,
         if proc.stderr is not None:
             proc.stderr.close()
     branches = read_branches(tmp_path / "gw" / "calls.jsonl")
-    assert [(t.info["session"], t.info["reason"], t.num_turns) for t in branches] == [
+    assert [(t.branch.session, t.branch.reason, t.num_turns) for t in branches] == [
         ("first", "first", 2),
         ("second", "first", 2),
     ]

@@ -39,7 +39,7 @@ def one_exact_branch(gateway: Any, name: str, calls: int) -> None:
     check_metrics(traj, branch.conv, branch.episode.last_token_text, "strict")
     assert traj.metrics["check/mismatches"] == 0
     on_disk = [
-        t for t in read_branches(Path(gateway.config.output_dir) / "calls.jsonl") if t.info["session"] == name
+        t for t in read_branches(Path(gateway.config.output_dir) / "calls.jsonl") if t.branch.session == name
     ]
     assert [t.input_ids for t in on_disk] == [traj.input_ids] and on_disk[0].loss_mask == traj.loss_mask
 

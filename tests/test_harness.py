@@ -30,7 +30,7 @@ from turnrl.support.imports import add_search_path, search_path
 from turnrl.tools.parsers import get_parser
 from turnrl.train.advantages import AdvantageOptions, compute_advantages
 from turnrl.train.exclusions import exclude_failures
-from turnrl.types import Sample, SamplingParams, StopReason, Trajectory
+from turnrl.types import AgentRun, Sample, SamplingParams, SessionBranch, StopReason, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENTS = Path(__file__).parent / "harness_agents"
@@ -185,7 +185,7 @@ def test_an_openai_sdk_agent_is_one_exact_branch_scored_by_its_reward(
     assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
     assert traj.reward == 1.0  # the agent looked alpha up in its folder's codes.json and wrote 42
     assert (traj.id, traj.group_id, traj.sample_index) == ("q1/0", "q1", 0)
-    assert traj.info["reason"] == "first" and traj.info["run"]["calls"] == 2
+    assert traj.branch.reason == "first" and traj.run.calls == 2
     assert traj.info["num_tool_calls"] == 1  # counted as an env's tool calls are (summary, step)
     assert_exact(traj, engine.seen)  # trained tokens are exactly what the engine conditioned on
     assert traj.messages[-2]["role"] == "tool" and traj.messages[-2]["content"] == "42"
@@ -201,10 +201,10 @@ def test_a_compacting_agent_leaves_two_branches_each_with_its_own_reward(
     command = ["python", str(AGENTS / "compacting_agent.py"), "{prompt}"]
     runner, engine = runner_for(qwen3_tokenizer, tmp_path, ["One.", "Two.", "Done."], command=command)
     first, compacted = run_once(runner, index=3)
-    assert [first.info["reason"], compacted.info["reason"]] == ["first", "compaction"]
+    assert [first.branch.reason, compacted.branch.reason] == ["first", "compaction"]
     assert (first.id, compacted.id) == ("q1/3", "q1/3/1")
     assert [first.reward, compacted.reward] == [0.25, 1.0]
-    assert first.info["run_reward"] == compacted.info["run_reward"] == 0.625
+    assert first.run.reward == compacted.run.reward == 0.625
     assert_exact(first, engine.seen[:2])
     assert_exact(compacted, engine.seen[2:])
 
@@ -229,7 +229,7 @@ def test_a_misbehaving_agent_ends_with_a_stop_reason_of_its_own(
     assert {t.stop_reason for t in trajs} == {stop}
     assert trajs[0].error == said
     if stop == StopReason.TOKEN_BUDGET:  # the calls before the limit are kept, and scored
-        assert len(trajs) == 1 and trajs[0].info["run"]["calls"] == 3 and trajs[0].num_turns == 3
+        assert len(trajs) == 1 and trajs[0].run.calls == 3 and trajs[0].num_turns == 3
     kept, left_out = exclude_failures(trajs, keep=False)
     assert (not kept) == (stop in (StopReason.AGENT_ERROR,)) and sum(left_out.values()) == len(trajs) - len(
         kept
@@ -576,7 +576,7 @@ def test_the_mini_swe_agent_cli_unchanged_fixes_a_toy_repository_in_one_exact_br
     [traj] = run_once(runner, Sample("calc/0", [{"role": "user", "content": "Make test_calc.py pass."}]))
     assert traj.stop_reason == StopReason.AGENT_DONE, f"{traj.error}"
     assert traj.reward == 1.0  # the test passes in the folder mini-swe-agent worked in
-    assert traj.info["run"]["calls"] == 3 and traj.info["reason"] == "first"
+    assert traj.run.calls == 3 and traj.branch.reason == "first"
     assert_exact(traj, engine.seen)
     outputs = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert "passed" in outputs[1]
@@ -621,7 +621,8 @@ def test_a_script_in_env_command_is_found_beside_the_config_or_from_here(
 def branch(group: str, run: int, reward: float, run_reward: float, index: int = 0) -> Trajectory:
     traj = Trajectory(f"{group}/{run}/{index}", group, "d", StopReason.AGENT_DONE, reward=reward, num_turns=1)
     traj.sample_index = run
-    traj.info = {"session": f"{group}-{run}", "branch": index, "run_reward": run_reward}
+    traj.branch = SessionBranch(f"{group}-{run}", index)
+    traj.run = AgentRun(0, 1.0, 1, reward=run_reward)
     return traj
 
 
@@ -671,13 +672,13 @@ def test_reinforce_last_and_skip_system_mark_the_branches_not_to_train(
         qwen3_tokenizer, tmp_path, ["One.", "Two.", "Done."], command=command, reinforce="last"
     )
     first, compacted = run_once(runner)
-    assert first.info["exclude"] == "not_reinforced" and "exclude" not in compacted.info
+    assert first.exclude == "not_reinforced" and compacted.exclude is None
     kept, left_out = exclude_failures([first, compacted], keep=True)
     assert kept == [compacted] and left_out == {"not_reinforced": 1}
     runner, _ = runner_for(
         qwen3_tokenizer, tmp_path, ["One.", "Two.", "Done."], command=command, skip_system=["terse"]
     )
-    assert all(t.info["exclude"] == "not_reinforced" for t in run_once(runner))
+    assert all(t.exclude == "not_reinforced" for t in run_once(runner))
 
 
 def turnrl(
@@ -703,7 +704,7 @@ def test_turnrl_train_runs_an_unchanged_agent_and_trains_on_its_sessions(tmp_pat
 
     trajs = read_trajectories(out / "rollouts" / "step_000001.jsonl")
     assert len({(t.group_id, t.sample_index) for t in trajs}) == 2 * 4  # every run, exactly once
-    assert all(t.stop_reason == StopReason.AGENT_DONE and t.info["session"] for t in trajs)
+    assert all(t.stop_reason == StopReason.AGENT_DONE and t.branch.session for t in trajs)
     assert all(t.prompt_ids and any(t.loss_mask) for t in trajs)
     assert turnrl("validate", str(out)).returncode == 0
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
@@ -733,15 +734,13 @@ def test_turnrl_train_warm_starts_mini_swe_agent_unchanged_then_trains_on_its_br
     assert all(t.stop_reason == StopReason.AGENT_DONE and t.reward in (0.0, 1.0) for t in trajs)
     assert turnrl("validate", str(out)).returncode == 0
     varied = [
-        g
-        for g in {t.group_id for t in trajs}
-        if len({t.info["run_reward"] for t in trajs if t.group_id == g}) > 1
+        g for g in {t.group_id for t in trajs} if len({t.run.reward for t in trajs if t.group_id == g}) > 1
     ]
-    trained = sum(1 for t in trajs if t.group_id in varied and not t.info.get("exclude"))
+    trained = sum(1 for t in trajs if t.group_id in varied and not t.exclude)
     assert step["train/samples"] == trained, (step, varied)  # every branch of a varied group it trains
     # each sampled token once: what branches copy from their parents is context
-    assert step["train/trunk_tokens"] == sum(t.info["forest"]["trunk"] for t in trajs)
-    assert step["train/excluded/unchosen_tokens"] == sum(t.info["forest"]["unchosen"] for t in trajs)
+    assert step["train/trunk_tokens"] == sum(t.branch.trunk_tokens for t in trajs)
+    assert step["train/excluded/unchosen_tokens"] == sum(t.branch.unchosen_tokens for t in trajs)
 
 
 def test_a_run_where_every_agent_failed_exits_non_zero(tmp_path: Path) -> None:

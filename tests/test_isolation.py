@@ -65,7 +65,7 @@ def batch(
     honest, escapee = asyncio.run(go())
     [good] = honest
     assert good.stop_reason == StopReason.AGENT_DONE and good.reward == 1.0, good.error  # unharmed
-    assert good.info["run"]["calls"] == 1  # and nobody else wrote into its session
+    assert good.run.calls == 1  # and nobody else wrote into its session
     return runner, good, escapee, marker
 
 
@@ -128,7 +128,7 @@ def test_a_run_that_knows_another_sessions_name_cannot_call_it(
     assert escape_task.FOUND["escapee"]["status"] == 401  # its own key opens its own session only
     assert runner.gateway.counts["unauthorized"] == 1
     assert "turnrl_gateway_unauthorized_total 1" in runner.gateway.metrics()
-    assert traj.info["run"]["calls"] == 1 and good.info["run"]["calls"] == 1
+    assert traj.run.calls == 1 and good.run.calls == 1
 
 
 @pytest.mark.parametrize(
@@ -203,7 +203,7 @@ def test_the_reward_runs_the_tasks_tests_in_the_runs_sandbox(
     assert seen["code"] == 0 and '"mode": "honest"' in seen["out"]
     assert "ran.txt" in seen["folder"] and not (tmp_path / "out.txt").exists()  # its folder, not the host's
     assert int(seen["out"].splitlines()[-1]) <= 5  # in a PID namespace of its own
-    assert traj.reward == 1.0 and traj.info["run"]["commands"][0]["exit_code"] == 0
+    assert traj.reward == 1.0 and traj.run.commands[0]["exit_code"] == 0
 
 
 @STARTS

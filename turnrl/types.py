@@ -1,6 +1,7 @@
 """The protocol: every type that crosses a part boundary, declared once.
 
-Data (``Sample``, ``Message``, ``Turn``, ``Trajectory``, ``StepResult``), the closed choices
+Data (``Sample``, ``Message``, ``Turn``, ``Trajectory`` with its typed links ``SessionBranch`` and
+``AgentRun``, ``StepResult``), the closed choices
 (``StopReason``, ``FinishReason``), when a trajectory must stop (``Limits``), what an engine is
 asked and answers (``SamplingParams``, ``Generation``), the engine protocol and its optional
 capabilities (``Abortable``, ``WeightUpdatable``, ``WeightFollowing``, ``Versioned``, ``Addressed``,
@@ -34,7 +35,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 if TYPE_CHECKING:
     import torch
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the trajectory record written to ``trajectories.jsonl`` (bumped on any field change)."""
 
 
@@ -106,6 +107,33 @@ class Turn:
     # (a fresh render of the conversation so far) where it differs from the exact prefix
     context_ids: list[int] | None = None
     info: dict[str, Any] = field(default_factory=dict)  # model turns: the env step's info (JSON values)
+    call: int | None = None  # a recorded session's model turn: its place among the session's calls
+
+
+@dataclass
+class SessionBranch:
+    """Where a trajectory sits in a recorded agent session: one branch of the session's tree
+    (written by the gateway, read by ``turnrl.gateway.forest`` and the trainer's run counting)."""
+
+    session: str  # the gateway session it was recorded in (one agent run)
+    index: int = 0  # its number in the session, in the order branches started (0: the first)
+    parent: int | None = None  # the branch it forked from (None: it starts at the prompt)
+    reason: str = "first"  # why it started: first, retry, compaction, truncation, edit, subagent, sample
+    fork_at: int | None = None  # leading input_ids copied from the parent (None: encoded afresh)
+    shared_tokens: int = 0  # leading input_ids equal to the parent's (what a prefix cache reuses)
+    trunk_tokens: int = 0  # sampled tokens it holds as context because another branch trains them
+    unchosen_tokens: int = 0  # sampled tokens of its replies the agent did not go on from (untrained)
+
+
+@dataclass
+class AgentRun:
+    """How the agent run a trajectory came from went (a harness run: its branches share one)."""
+
+    exit_code: int | None  # the agent's exit code (None: it did not start, or was killed)
+    seconds: float  # the agent's wall time
+    calls: int  # model calls it made
+    reward: float | None = None  # the run's reward, its branches' mean: a group's baseline is over runs
+    commands: list[dict[str, Any]] = field(default_factory=list)  # what the reward ran in its folder
 
 
 @dataclass
@@ -128,7 +156,10 @@ class Trajectory:
     metrics: dict[str, Any] = field(default_factory=dict)  # timings, counts, sanity check results
     sample_index: int = 0  # index of this trajectory inside its group
     error: str | None = None  # the last error message, when stop_reason is an error
-    info: dict[str, Any] = field(default_factory=dict)  # free-form data from env and tools
+    info: dict[str, Any] = field(default_factory=dict)  # free-form data from env, tools and users
+    exclude: str | None = None  # why training leaves it out (not_reinforced, reward_none, unchosen)
+    branch: SessionBranch | None = None  # a recorded session's branch: where it sits in the session
+    run: AgentRun | None = None  # an agent harness run's trajectory: how the run went
     policy_versions: list[int] = field(default_factory=list)  # per response token: weight version (-1: env)
     images: list[Any] = field(default_factory=list)  # PIL images in order of appearance (prompt first)
     multimodal_inputs: dict[str, Any] = field(default_factory=dict)  # merged processor outputs (tensors)

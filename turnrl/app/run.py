@@ -96,7 +96,7 @@ class _Tally:
         if not starts_a_run(traj):
             return self.fields()
         self.count += 1
-        self.turns += traj.info.get("run", {}).get("calls", traj.num_turns)
+        self.turns += traj.run.calls if traj.run is not None else traj.num_turns
         if traj.stop_reason in FAILURES:
             self.failed += 1
         else:

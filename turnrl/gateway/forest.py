@@ -1,7 +1,7 @@
 """What a session's forest trains: each sampled token once, and no reply the agent did not go on from.
 
 A session's branches share tokens: a branch forked from another starts with a copy of its parent's
-tokens up to the fork (``info["fork_at"]``). Trained as recorded, a reply sampled once would weigh
+tokens up to the fork (``branch.fork_at``). Trained as recorded, a reply sampled once would weigh
 once per branch that copied it. ``train_once`` gives each sampled token exactly one place in the
 loss (in place, on the branches' ``loss_mask``):
 
@@ -17,14 +17,14 @@ the conversation at or before it (the same request sent again, a message before 
 history cut back before it: mini-swe-agent's answer to a reply with no well-formed command), or it
 is one of the ``n > 1`` replies of one call and another of them was continued. It did not lead to
 the run's outcome, so it is not trained with the run's reward: its tokens get mask 0 and count in
-``info["forest"]["unchosen"]`` (``train/excluded/unchosen_tokens``), and a branch left with nothing
+``branch.unchosen_tokens`` (``train/excluded/unchosen_tokens``), and a branch left with nothing
 of its own to train is excluded as ``unchosen``. When none of a call's ``n`` replies was continued,
 each keeps its credit (nothing says which one the agent used). A reward that scores branches (a
 list, one value per branch) credits each reply itself: nothing is unchosen then. A reply that was
 continued keeps its credit even when the agent later cut it from the conversation: it may have
 acted on the world (files, commands) the outcome depends on.
 
-``info["forest"]["trunk"]`` counts a branch's sampled tokens that are trained elsewhere.
+``branch.trunk_tokens`` counts a branch's sampled tokens that are trained elsewhere.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from turnrl.types import Trajectory
+from turnrl.types import SessionBranch, Trajectory
 
 REPLACING = ("retry", "sample")  # reasons of a branch whose first reply answers its parent's request
 
@@ -52,16 +52,23 @@ def train_once(branches: Iterable[Trajectory], credit_unchosen: bool = False) ->
     in none (``credit_unchosen``: they keep their credit, as when the reward scored branches)."""
     sessions: dict[str, dict[int, Trajectory]] = {}
     for traj in branches:
-        if "session" in traj.info and "branch" in traj.info:
-            sessions.setdefault(str(traj.info["session"]), {})[int(traj.info["branch"])] = traj
+        if traj.branch is not None:
+            sessions.setdefault(traj.branch.session, {})[traj.branch.index] = traj
     for forest in sessions.values():
         _session(forest, credit_unchosen)
 
 
+def link(traj: Trajectory) -> SessionBranch:
+    """``traj``'s place in its session (a ValueError names a trajectory that is no branch)."""
+    if traj.branch is None:
+        raise ValueError(f"trajectory {traj.id!r} is not a recorded session's branch")
+    return traj.branch
+
+
 def copied(traj: Trajectory) -> int:
     """How many leading response tokens ``traj`` copied from its parent."""
-    fork_at = traj.info.get("fork_at")
-    return max(0, int(fork_at) - len(traj.prompt_ids)) if fork_at is not None else 0
+    fork_at = link(traj).fork_at
+    return max(0, fork_at - len(traj.prompt_ids)) if fork_at is not None else 0
 
 
 def _session(forest: dict[int, Trajectory], credit_unchosen: bool) -> None:
@@ -77,11 +84,11 @@ def _session(forest: dict[int, Trajectory], credit_unchosen: bool) -> None:
     segments: dict[int, list[tuple[int, int, int]]] = {}  # (start, end, the branch that sampled them)
     for b in order:
         traj, cut = forest[b], copied(forest[b])
-        parent = traj.info.get("parent")
-        trunk_of = segments.get(parent, []) if isinstance(parent, int) and cut else []
+        parent = link(traj).parent
+        trunk_of = segments.get(parent, []) if parent is not None and cut else []
         held = [(s, min(e, cut), o) for s, e, o in trunk_of if s < cut]
         segments[b] = [*held, (cut, len(own[b]), b)]
-        trained = not traj.info.get("exclude")
+        trained = not traj.exclude
         mask = [0] * len(own[b])
         for start, end, origin in segments[b]:
             source, done = own[origin], taken[origin]
@@ -99,16 +106,16 @@ def _apply(traj: Trajectory, mask: list[int], trunk: int, unchosen: int) -> None
         if before and not after:
             traj.rollout_logprobs[i] = 0.0
     traj.loss_mask = mask
-    traj.info["forest"] = {"trunk": trunk, "unchosen": unchosen}
-    if unchosen and not any(mask) and not traj.info.get("exclude"):
-        traj.info["exclude"] = "unchosen"
+    link(traj).trunk_tokens, link(traj).unchosen_tokens = trunk, unchosen
+    if unchosen and not any(mask) and not traj.exclude:
+        traj.exclude = "unchosen"
 
 
 def _replies(traj: Trajectory) -> list[Reply]:
     """The replies a branch sampled itself (after what it copied), in order."""
-    b, cut = int(traj.info["branch"]), copied(traj)
+    b, cut = link(traj).index, copied(traj)
     return [
-        Reply(b, t.start, t.end, int(t.info.get("call", -1)))
+        Reply(b, t.start, t.end, -1 if t.call is None else t.call)
         for t in traj.turns
         if t.role == "assistant" and t.start >= cut
     ]
@@ -121,8 +128,8 @@ def unchosen_replies(forest: dict[int, Trajectory]) -> list[Reply]:
     for own in replies.values():
         continued.update(own[:-1])  # a later call of the same branch followed each but the last
     for child in forest.values():  # a branch forked after a reply continues it
-        parent, cut = child.info.get("parent"), copied(child)
-        if parent in replies and child.info.get("fork_at") is not None:
+        parent, cut = link(child).parent, copied(child)
+        if parent in replies and link(child).fork_at is not None:
             continued.update(r for r in replies[parent] if r.end <= cut)
     out: set[Reply] = set()
     for siblings in _sample_groups(forest, replies):  # of one call's n replies, the ones not taken
@@ -130,9 +137,9 @@ def unchosen_replies(forest: dict[int, Trajectory]) -> list[Reply]:
             out.update(r for r in siblings if r not in continued)
     # going back: after a reply nobody continued, a call forked the conversation at or before it
     backs = [
-        (replies[b][0].call, int(t.info["fork_at"]), t.input_ids[: int(t.info["fork_at"])])
+        (replies[b][0].call, at, t.input_ids[:at])
         for b, t in forest.items()
-        if t.info.get("fork_at") is not None and t.info.get("reason") != "sample" and replies[b]
+        if (at := link(t).fork_at) is not None and link(t).reason != "sample" and replies[b]
     ]
     for b, own in replies.items():
         ids, prompt = forest[b].input_ids, len(forest[b].prompt_ids)
@@ -152,8 +159,8 @@ def _sample_groups(forest: dict[int, Trajectory], replies: dict[int, list[Reply]
     extended), then the others (branches that say ``sample``)."""
     groups: dict[tuple[int, int], list[Reply]] = {}
     for b in sorted(forest):
-        traj = forest[b]
-        if traj.info.get("reason") != "sample" or traj.info.get("fork_at") is None or not replies[b]:
+        own = link(forest[b])
+        if own.reason != "sample" or own.fork_at is None or not replies[b]:
             continue
         first, anchor = replies[b][0], _anchor(forest, b)
         if anchor is None:
@@ -165,10 +172,10 @@ def _sample_groups(forest: dict[int, Trajectory], replies: dict[int, list[Reply]
 
 def _anchor(forest: dict[int, Trajectory], b: int) -> int | None:
     """The branch that sampled the first reply to the request branch ``b`` forked at."""
-    cut, parent = copied(forest[b]), forest[b].info.get("parent")
+    cut, parent = copied(forest[b]), link(forest[b]).parent
     while parent in forest and (
         copied(forest[parent]) > cut
-        or (copied(forest[parent]) == cut and forest[parent].info.get("reason") in REPLACING)
+        or (copied(forest[parent]) == cut and link(forest[parent]).reason in REPLACING)
     ):  # the request lies in what the parent copied (or the parent is a retry of it too)
-        parent = forest[parent].info.get("parent")
+        parent = link(forest[parent]).parent
     return parent if parent in forest else None

@@ -31,7 +31,16 @@ from turnrl.rollout.episode import Episode
 from turnrl.rollout.record import ResponseRecord
 from turnrl.tools.base import ParseResult
 from turnrl.tools.parser_base import ToolParser, split_reasoning
-from turnrl.types import Engine, Generation, Message, Sample, SamplingParams, StopReason, Trajectory
+from turnrl.types import (
+    Engine,
+    Generation,
+    Message,
+    Sample,
+    SamplingParams,
+    SessionBranch,
+    StopReason,
+    Trajectory,
+)
 from turnrl.vision.buffer import MultimodalBuffer, first_images
 from turnrl.vision.content import count_images
 
@@ -122,15 +131,11 @@ class Branch:
         return self.episode.record.sequence
 
     def trajectory(self, session: str) -> Trajectory:
-        """The branch as a turnrl trajectory (its forest links in ``info``)."""
+        """The branch as a turnrl trajectory, linked to its place in the session (``branch``)."""
         traj = self.episode.trajectory()
-        traj.info |= {
-            "session": session,
-            "branch": self.index,
-            "parent": self.parent,
-            "reason": str(self.reason),
-        }
-        traj.info |= {"shared_tokens": self.shared_tokens, "fork_at": self.fork_at}
+        traj.branch = SessionBranch(
+            session, self.index, self.parent, str(self.reason), self.fork_at, self.shared_tokens
+        )
         traj.info["num_tool_calls"] = self.tool_calls
         return traj
 
@@ -211,7 +216,7 @@ def record_call(
         record.add_env(added, added_text, 0.0, 0)
     before = len(record.sequence), len(record.messages)
     record.add_model(gen, text, seconds, versions)
-    record.turns[-1].info["call"] = call
+    record.turns[-1].call = call
     record.messages.append(message)
     episode.stop = reply_stop(gen.finish_reason)
     return before

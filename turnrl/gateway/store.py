@@ -22,7 +22,7 @@ from turnrl.gateway.forest import train_once
 from turnrl.gateway.session import Plan, Reply, copy_record, record_call
 from turnrl.rollout.collector import JsonlWriter
 from turnrl.rollout.episode import Episode
-from turnrl.types import Generation, Message, Sample, Trajectory
+from turnrl.types import Generation, Message, Sample, SessionBranch, Trajectory
 from turnrl.vision.content import count_images, load_image, messages_from_json, messages_to_json
 from turnrl.vision.processor import ImageInput
 
@@ -141,15 +141,21 @@ def read_branches(path: Path, self_contained: bool = False) -> list[Trajectory]:
     (``turnrl.gateway.forest``). ``self_contained``: every branch keeps the loss mask of all it
     holds, as recorded (a forked branch trains its trunk again)."""
     episodes: dict[tuple[str, int], Episode] = {}
-    links: dict[tuple[str, int], dict[str, Any]] = {}
+    links: dict[tuple[str, int], SessionBranch] = {}
     calls: dict[str, int] = {}  # per session, calls so far (the file is in the order they completed)
     tool_calls: dict[tuple[str, int], int] = {}  # per branch, in the replies it sampled
     for call in read_calls(path):
         where = (call["session"], call["branch"])
         if where not in episodes:
             episodes[where] = _start(call, episodes)
-            links[where] = {k: call.get(k) for k in ("parent", "reason", "shared_tokens")}
-            links[where]["fork_at"] = (call.get("fork") or {}).get("at")
+            links[where] = SessionBranch(
+                where[0],
+                where[1],
+                call.get("parent"),
+                call.get("reason") or "first",
+                (call.get("fork") or {}).get("at"),
+                call.get("shared_tokens") or 0,
+            )
         added_record = {"messages": call["added_messages"], "images": call.get("added_images")}
         messages, images = _read_images(added_record)
         added = Encoded(call["added_ids"], messages, images)
@@ -170,7 +176,7 @@ def read_branches(path: Path, self_contained: bool = False) -> list[Trajectory]:
     for (session, index), episode in episodes.items():
         traj = episode.trajectory()
         traj.reward = None  # nothing scored a recorded session: the caller's reward sets it
-        traj.info |= {"session": session, "branch": index, **links[(session, index)]}
+        traj.branch = links[(session, index)]
         traj.info["num_tool_calls"] = tool_calls.get((session, index), 0)
         out.append(traj)
     if not self_contained:

@@ -9,12 +9,12 @@ so a run that learns another's session name still cannot call it (a 401, counted
 
 Every branch of a run carries the run's stop reason (``agent_done``; ``agent_error`` for a crash, a
 non-zero exit, an agent that never called; ``agent_timeout``; ``token_budget`` when the session's
-call budget ran out), its own reward, and ``info["run_reward"]`` for the group's baseline, which is
-over runs, not branches. A failed run is not scored: its branches keep reward 0 with the failure as
-their stop reason, and training leaves them out. Branches not to train (``reinforce``,
-``skip_system``, a reward of None) say why in ``info["exclude"]``. Each token the run sampled is
-then in exactly one branch's loss, and replies the agent did not go on from in none
-(``turnrl.gateway.forest``).
+call budget ran out), its own reward, and ``run`` (``AgentRun``: exit code, time, calls, the run's
+reward for the group's baseline, which is over runs, not branches). A failed run is not scored: its
+branches keep reward 0 with the failure as their stop reason, and training leaves them out.
+Branches not to train (``reinforce``, ``skip_system``, a reward of None) say why in ``exclude``.
+Each token the run sampled is then in exactly one branch's loss, and replies the agent did not go
+on from in none (``turnrl.gateway.forest``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from turnrl.support.errors import describe
 from turnrl.support.imports import import_object, search_path
 from turnrl.tools.parser_base import ToolParser
 from turnrl.tools.parsers import get_parser
-from turnrl.types import Engine, Sample, StopReason, Trajectory
+from turnrl.types import AgentRun, Engine, Sample, StopReason, Trajectory
 
 log = logging.getLogger(__name__)
 UNSANDBOXED = (
@@ -215,19 +215,13 @@ class HarnessRunner:
         stop, error = _ending(exit, result, self.config.timeout_s, session.over_budget)
         if not branches:
             return [failed_trajectory(sample, index, error or "the agent never called the model", stop)]
-        run_info: dict[str, Any] = {
-            "exit_code": exit.code,
-            "seconds": round(exit.seconds, 3),
-            "calls": session.calls,
-        }
+        run = AgentRun(exit.code, round(exit.seconds, 3), session.calls)
         for traj in branches:
-            traj.stop_reason, traj.error = stop, error
-            traj.info["run"] = run_info
+            traj.stop_reason, traj.error, traj.run = stop, error, run
         per_branch = False
         if stop in (StopReason.AGENT_DONE, StopReason.TOKEN_BUDGET):
-            per_branch = await self._reward(sample, result)
-        if result.commands:
-            run_info["commands"] = result.commands
+            per_branch = await self._reward(sample, result, run)
+        run.commands = result.commands
         self._select(branches)
         train_once(branches, credit_unchosen=per_branch)
         return branches
@@ -238,7 +232,7 @@ class HarnessRunner:
         launch = self.runtime.launch(argv, folder, variables, [run_dir / "sample.json"], gateway=False)
         return run_command(launch, timeout)
 
-    async def _reward(self, sample: Sample, result: HarnessResult) -> bool:
+    async def _reward(self, sample: Sample, result: HarnessResult, run: AgentRun) -> bool:
         """Score the branches with the user's reward, in a thread (it may run the task's tests); a
         raise or a bad value ends them as internal_error (a bug in a hook), a None leaves them out
         of training. Whether the reward scored branches one by one."""
@@ -253,12 +247,11 @@ class HarnessRunner:
             return False
         if scores is None:
             for traj in result.branches:
-                traj.info["exclude"] = "reward_none"
+                traj.exclude = "reward_none"
             return False
-        run_reward = statistics.fmean(scores.values)
+        run.reward = statistics.fmean(scores.values)
         for traj, reward in zip(result.branches, scores.values, strict=True):
             traj.reward = reward
-            traj.info["run_reward"] = run_reward
         return scores.per_branch
 
     def _select(self, branches: list[Trajectory]) -> None:
@@ -268,7 +261,7 @@ class HarnessRunner:
             system = next((str(m.get("content")) for m in traj.messages if m.get("role") == "system"), "")
             last_only = self.config.reinforce == "last" and i != len(branches) - 1
             if last_only or any(p.search(system) for p in self.skip):
-                traj.info.setdefault("exclude", "not_reinforced")
+                traj.exclude = traj.exclude or "not_reinforced"
 
 
 def _ending(
@@ -293,7 +286,8 @@ def _ending(
 
 def _as_member(traj: Trajectory, sample: Sample, index: int) -> Trajectory:
     """A branch as member ``index`` of ``sample``'s group (its id names the branch)."""
-    traj.id = f"{sample.id}/{index}" + (f"/{traj.info['branch']}" if traj.info["branch"] else "")
+    branch = traj.branch.index if traj.branch else 0
+    traj.id = f"{sample.id}/{index}" + (f"/{branch}" if branch else "")
     traj.group_id, traj.sample_index, traj.data_source = sample.id, index, sample.data_source
     return traj
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from turnrl.types import SCHEMA_VERSION, StopReason, Trajectory, Turn
+from turnrl.types import SCHEMA_VERSION, AgentRun, SessionBranch, StopReason, Trajectory, Turn
 from turnrl.vision.content import data_url, load_image, messages_from_json, messages_to_json
 
 
@@ -41,12 +41,46 @@ def trajectory_from_json(record: dict[str, Any]) -> Trajectory:
         raise ValueError(
             f"trajectory schema_version {version} is newer than this turnrl reads ({SCHEMA_VERSION})"
         )
+    if version < 5:
+        _lift_info(data)
     data["stop_reason"] = StopReason(data["stop_reason"])
     data["turns"] = [Turn(**t) for t in data.get("turns", [])]
+    if data.get("branch") is not None:
+        data["branch"] = SessionBranch(**data["branch"])
+    if data.get("run") is not None:
+        data["run"] = AgentRun(**data["run"])
     if data.get("images"):
         data["images"] = [load_image(url) for url in data["images"]]
         data["messages"] = messages_from_json(data["messages"], data["images"])
     return Trajectory(**data)
+
+
+def _lift_info(data: dict[str, Any]) -> None:
+    """A record of schema 4 or older into schema 5's fields: a session branch's links, its agent
+    run, why it is excluded and a turn's call travelled as ``info`` keys then."""
+    info = data["info"] = dict(data.get("info") or {})
+    data["turns"] = [dict(t) for t in data.get("turns", [])]
+    for turn in data["turns"]:
+        turn["info"] = dict(turn.get("info") or {})
+        if "call" in turn["info"]:
+            turn["call"] = turn["info"].pop("call")
+    if "exclude" in info:
+        data["exclude"] = info.pop("exclude")
+    if "session" not in info or "branch" not in info:
+        return
+    forest = info.pop("forest", None) or {}
+    data["branch"] = {
+        "session": str(info.pop("session")),
+        "index": int(info.pop("branch")),
+        "parent": info.pop("parent", None),
+        "reason": info.pop("reason", None) or "first",
+        "fork_at": info.pop("fork_at", None),
+        "shared_tokens": info.pop("shared_tokens", 0) or 0,
+        "trunk_tokens": forest.get("trunk", 0),
+        "unchosen_tokens": forest.get("unchosen", 0),
+    }
+    if isinstance(info.get("run"), dict):
+        data["run"] = {**info.pop("run"), "reward": info.pop("run_reward", None)}
 
 
 def strict_json(value: Any) -> str:

@@ -183,7 +183,7 @@ async def collect(
 def starts_a_run(traj: Trajectory) -> bool:
     """Whether ``traj`` is a group member's first (or only) trajectory: an agent harness run's later
     branches belong to a run already counted."""
-    return not traj.info.get("branch", 0)
+    return traj.branch is None or traj.branch.index == 0
 
 
 def read_trajectories(path: Path) -> list[Trajectory]:

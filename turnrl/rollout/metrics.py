@@ -14,15 +14,15 @@ TOOL_COUNTS = ("num_tool_calls", "num_tool_errors", "num_parse_errors", "num_tru
 
 
 def run_of(traj: Trajectory) -> tuple[str, int] | int:
-    """The run a trajectory belongs to: an agent harness run (``info["session"]``) may leave several
-    branches, one run of its group member; any other trajectory is a run of its own."""
-    return (traj.group_id, traj.sample_index) if "session" in traj.info else id(traj)
+    """The run a trajectory belongs to: an agent harness run may leave several branches (``branch``),
+    one run of its group member; any other trajectory is a run of its own."""
+    return (traj.group_id, traj.sample_index) if traj.branch is not None else id(traj)
 
 
 def run_reward(traj: Trajectory) -> float:
     """The reward of the run ``traj`` belongs to: its branches' own may differ (a reward that scored
-    branches); the run's is ``info["run_reward"]`` (else the trajectory's)."""
-    return float(traj.info.get("run_reward", traj.score))
+    branches); the run's is ``run.reward`` (else the trajectory's)."""
+    return traj.run.reward if traj.run is not None and traj.run.reward is not None else traj.score
 
 
 def runs(trajs: Iterable[Trajectory]) -> dict[tuple[str, int] | int, list[Trajectory]]:

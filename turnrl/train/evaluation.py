@@ -24,6 +24,7 @@ from rich.table import Table
 
 from turnrl.rollout.collector import OnDone, collect
 from turnrl.rollout.failures import check_failures
+from turnrl.rollout.metrics import run_reward
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.train.config import EvalConfig
 from turnrl.types import Sample, Trajectory
@@ -91,16 +92,16 @@ def _row(source: str, groups: list[list[Trajectory]], ks: Sequence[int], pass_re
 
 
 def one_per_run(trajs: Sequence[Trajectory]) -> list[Trajectory]:
-    """Each run once: an agent harness run's branches (``info["session"]``) count as one
-    trajectory with the run's reward (``info["run_reward"]``), as pass@k counts attempts."""
+    """Each run once: an agent harness run's branches (``branch``) count as one trajectory with the
+    run's reward (``run_reward``), as pass@k counts attempts."""
     out: list[Trajectory] = []
     seen: set[tuple[str, int]] = set()
     for traj in trajs:
-        if "session" not in traj.info:
+        if traj.branch is None:
             out.append(traj)
         elif (traj.group_id, traj.sample_index) not in seen:
             seen.add((traj.group_id, traj.sample_index))
-            out.append(dataclasses.replace(traj, reward=float(traj.info.get("run_reward", traj.score))))
+            out.append(dataclasses.replace(traj, reward=run_reward(traj)))
     return out
 
 

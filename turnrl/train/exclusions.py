@@ -23,10 +23,10 @@ __all__ = ["FAILURES", "exclude_failures", "exclusion_metrics", "forest_metrics"
 
 def exclude_failures(trajs: Sequence[Trajectory], keep: bool) -> tuple[list[Trajectory], Counter[str]]:
     """The trajectories to train on, and how many were left out per stop reason (failures: none when
-    ``keep``) or per the reason a trajectory gives in ``info["exclude"]`` (an agent harness's
-    branches not to train: ``not_reinforced``, ``reward_none``)."""
-    marked = Counter(str(t.info["exclude"]) for t in trajs if t.info.get("exclude"))
-    trajs = [t for t in trajs if not t.info.get("exclude")]
+    ``keep``) or per the reason a trajectory gives in ``exclude`` (an agent harness's branches not
+    to train: ``not_reinforced``, ``reward_none``, ``unchosen``)."""
+    marked = Counter(t.exclude for t in trajs if t.exclude)
+    trajs = [t for t in trajs if not t.exclude]
     if keep:
         return list(trajs), marked
     left_out = Counter(t.stop_reason.value for t in trajs if t.stop_reason in FAILURES)
@@ -56,10 +56,10 @@ def forest_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Over the step's agent session branches (``turnrl.gateway.forest``): the tokens of replies the
     agent did not go on from (not trained), and the sampled tokens branches hold as context because
     another branch trains them (``train/trunk_tokens``). Empty when no branch says."""
-    forests = [t.info["forest"] for t in trajs if "forest" in t.info]
-    if not forests:
+    branches = [t.branch for t in trajs if t.branch is not None]
+    if not branches:
         return {}
     return {
-        "train/excluded/unchosen_tokens": sum(f["unchosen"] for f in forests),
-        "train/trunk_tokens": sum(f["trunk"] for f in forests),
+        "train/excluded/unchosen_tokens": sum(b.unchosen_tokens for b in branches),
+        "train/trunk_tokens": sum(b.trunk_tokens for b in branches),
     }
