@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.app.engines import hf_engine, vllm_engine
+from turnrl.app.kinds import harness_gateway
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import HarnessConfig, VLLMEngineConfig
 from turnrl.data import to_samples
@@ -43,7 +44,6 @@ from turnrl.models import load_tokenizer
 from turnrl.rollout.collector import collect
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.imports import add_search_path
-from turnrl.tools.parsers import get_parser
 from turnrl.types import Limits, SamplingParams, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,13 +88,17 @@ async def main() -> None:
         tool_parser="hermes",
     )
     out = Path(tempfile.mkdtemp(prefix="turnrl-bench-"))
-    runner = HarnessRunner(harness, engine, encoder, get_parser("hermes"), args.model, out)
+
+    def harness_runner(config: HarnessConfig, folder: Path) -> HarnessRunner:
+        return HarnessRunner(config, harness_gateway(config, engine, encoder, args.model, folder), folder)
+
+    runner = harness_runner(harness, out)
     bare = harness.model_copy(update={"sandbox": "none"})
-    unsandboxed = HarnessRunner(bare, engine, encoder, get_parser("hermes"), args.model, out / "bare")
+    unsandboxed = harness_runner(bare, out / "bare")
     preloaded = bare.model_copy(update={"preload": ["openai", "turnrl.harness.warm:openai"]})
-    forked = HarnessRunner(preloaded, engine, encoder, get_parser("hermes"), args.model, out / "forked")
+    forked = harness_runner(preloaded, out / "forked")
     boxed = harness.model_copy(update={"preload": preloaded.preload})
-    boxed_forked = HarnessRunner(boxed, engine, encoder, get_parser("hermes"), args.model, out / "boxed")
+    boxed_forked = harness_runner(boxed, out / "boxed")
     every = {
         "env": spec,
         "harness": dataclasses.replace(spec, runner=runner),

@@ -21,13 +21,13 @@ import pytest
 import yaml
 from gateway_fixtures import START, Recorder, assert_exact, gateway_for
 
+from turnrl.app.kinds import harness_gateway
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import HarnessConfig
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.harness import HarnessRunner
 from turnrl.harness.process import argv_for, check_command
 from turnrl.support.imports import add_search_path, search_path
-from turnrl.tools.parsers import get_parser
 from turnrl.train.advantages import AdvantageOptions, compute_advantages
 from turnrl.train.exclusions import exclude_failures
 from turnrl.types import AgentRun, Sample, SamplingParams, SessionBranch, StopReason, Trajectory
@@ -52,7 +52,8 @@ def runner_for(
         {"kind": "harness", "reward": "lookup_task:reward", "setup": "lookup_task:setup", **harness}
     )
     engine = Recorder(ScriptedEngine(tokenizer, replies))
-    runner = HarnessRunner(config, engine, ChatEncoder(tokenizer), get_parser("hermes"), "m", tmp_path)  # type: ignore[arg-type]
+    gateway = harness_gateway(config, engine, ChatEncoder(tokenizer), "m", tmp_path)  # type: ignore[arg-type]
+    runner = HarnessRunner(config, gateway, tmp_path)
     return runner, engine
 
 
@@ -102,9 +103,8 @@ async def test_a_harness_run_made_again_samples_the_same_tokens(
         }
     )
     async with HFEngine(tiny_qwen3_model, seed=0) as engine:
-        runner = HarnessRunner(
-            config, engine, ChatEncoder(qwen3_tokenizer), get_parser("hermes"), "m", tmp_path
-        )
+        gateway = harness_gateway(config, engine, ChatEncoder(qwen3_tokenizer), "m", tmp_path)
+        runner = HarnessRunner(config, gateway, tmp_path)
         spec: Any = SimpleNamespace(
             sampling=SamplingParams(temperature=1.0, max_tokens=24, seed=7), engine=engine
         )
@@ -798,14 +798,9 @@ def test_the_calculator_recipe_scores_its_demonstrations_and_only_them(
         replies = [replies[0].replace("multiply", "add"), f"<answer>{meta['a'] + meta['b']}</answer>"]
     harness = {**config["env"], "command": ["python", str(LOOKUP / "calc_agent.py"), "{prompt}"]}
     engine = Recorder(ScriptedEngine(qwen3_tokenizer, replies))
-    runner = HarnessRunner(
-        HarnessConfig.model_validate(harness),
-        engine,
-        ChatEncoder(qwen3_tokenizer),
-        get_parser("hermes"),
-        "m",
-        tmp_path,  # type: ignore[arg-type]
-    )
+    env = HarnessConfig.model_validate(harness)
+    gateway = harness_gateway(env, engine, ChatEncoder(qwen3_tokenizer), "m", tmp_path)  # type: ignore[arg-type]
+    runner = HarnessRunner(env, gateway, tmp_path)
     [traj] = run_once(runner, sample)
     assert traj.stop_reason == StopReason.AGENT_DONE and traj.num_turns == 2
     assert traj.reward == (1.0 if right else 0.0)

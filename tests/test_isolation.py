@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from gateway_fixtures import Recorder
 
+from turnrl.app.kinds import harness_gateway
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import HarnessConfig
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.harness import HarnessRunner
 from turnrl.support.imports import add_search_path
-from turnrl.tools.parsers import get_parser
 from turnrl.types import Sample, StopReason, Trajectory
 
 AGENTS = Path(__file__).parent / "harness_agents"
@@ -47,9 +47,8 @@ def batch(
         }
     )
     engine = Recorder(ScriptedEngine(tokenizer, ["Hi."] * 8))
-    runner = HarnessRunner(
-        config, engine, ChatEncoder(tokenizer), get_parser("hermes"), "m", tmp_path / "out"
-    )  # type: ignore[arg-type]
+    gateway = harness_gateway(config, engine, ChatEncoder(tokenizer), "m", tmp_path / "out")  # type: ignore[arg-type]
+    runner = HarnessRunner(config, gateway, tmp_path / "out")
     escape_task.OPEN[:] = [runner]
     escape_task.FOUND.clear()
     spec: Any = type("Spec", (), {"sampling": None, "engine": None})()

@@ -10,13 +10,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from turnrl.app.engines import build_engine
+from turnrl.app.kinds import env_kind
 from turnrl.app.output import EVAL, open_output
-from turnrl.app.parts import RunError, build_spec, env_inputs, env_name, load_samples, with_runner
-from turnrl.app.preflight import check_inputs, check_template
+from turnrl.app.parts import RunError, build_spec, load_samples
+from turnrl.app.preflight import check_template
 from turnrl.app.run import SERVERS
 from turnrl.rollout.collector import starts_a_run
 from turnrl.rollout.failures import FAILURES
-from turnrl.rollout.spec import close_runner
+from turnrl.rollout.spec import close_spec
 from turnrl.support.progress import LoggedProgress
 from turnrl.support.run_folder import release
 from turnrl.support.stopping import bounded_stops
@@ -67,17 +68,18 @@ async def evaluate_config(
     """Validate, load, roll out the held-out prompts and write ``out_dir/eval.jsonl`` and ``eval.json``."""
     if config.eval.data is None:
         raise RunError("the config has no held-out set: set eval.data (e.g. --set eval.data.path=FILE)")
-    entry, env_factory = env_inputs(config.env)
+    kind = env_kind(config.env)
+    entry, env_factory = kind.inputs()
     samples = load_samples(config.eval.data, entry)
     open_output(out_dir, EVAL, config, overwrite=True, resume=False)  # locked: one evaluation at a time
-    check_inputs(config.env, samples, env_factory)
+    kind.check(samples, env_factory)
     if checkpoint is not None:
         with console.status(f"reading {checkpoint}"):
             model = checkpoint_model(checkpoint, config.model, out_dir)
         config = config.model_copy(update={"model": model})
     with console.status(f"loading {config.model}") as status:
         engine, tokenizer = build_engine(config, out_dir / SERVERS, say=status.update)
-    spec = with_runner(build_spec(config, engine, tokenizer, env_factory), config, out_dir)
+    spec = kind.complete(build_spec(config, engine, tokenizer, env_factory), config.model, out_dir)
     total = len(samples) * config.eval.group_size
     seen: list[float] = []
     failed: list[Trajectory] = []
@@ -108,11 +110,8 @@ async def evaluate_config(
             )
     finally:
         release(out_dir)
-        await close_runner(spec)  # an agent harness's gateway
+        await close_spec(spec)  # a harness's gateway, Ray env workers
         await engine.close()
-        shutdown = getattr(env_factory, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
 
 
 def evaluate(config: TrainConfig, checkpoint: str | None, out: str | None, console: Console) -> Path:
@@ -124,5 +123,5 @@ def evaluate(config: TrainConfig, checkpoint: str | None, out: str | None, conso
     _, rows = asyncio.run(evaluate_config(config, ckpt, out_dir, console))
     if not rows:
         raise RunError("no trajectory was rolled out (is the held-out set empty?)")
-    console.print(report_table(rows, f"{env_name(config.env)} on {ckpt or config.model}"))
+    console.print(report_table(rows, f"{env_kind(config.env).title} on {ckpt or config.model}"))
     return out_dir

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import AnyEnvConfig, ChatConfig, DataConfig, EnvConfig, HarnessConfig, RunSections
+from turnrl.config import ChatConfig, DataConfig, EnvConfig, RunSections
 from turnrl.data import read_rows, to_samples
 from turnrl.env.base import Env, EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
@@ -51,41 +50,6 @@ def _generated(generator: Any, data: DataConfig) -> Iterator[dict[str, Any]]:
         yield from generator(**data.kwargs)
     except Exception as exc:
         raise RunError(f"data.generator {data.generator} failed: {describe(exc)}") from None
-
-
-def env_inputs(env: AnyEnvConfig) -> tuple[EnvEntry | None, EnvFactory]:
-    """The env's registry entry and factory; an agent harness has neither an entry nor an env (its
-    factory refuses to build one: the rollout spec's ``runner`` runs it)."""
-    if isinstance(env, HarnessConfig):
-        return None, _no_env
-    entry = resolve_env(env.name)
-    return entry, build_env_factory(env, entry)
-
-
-def env_name(env: AnyEnvConfig) -> str:
-    """The env's name, for titles: its own, or the harness's command."""
-    if isinstance(env, HarnessConfig):
-        return env.command if isinstance(env.command, str) else " ".join(env.command)
-    return env.name
-
-
-def _no_env(sample: Sample) -> Env:
-    raise RunError("an agent harness (env.kind: harness) has no env to build: its runner runs it")
-
-
-def with_runner(spec: RolloutSpec, config: RunSections, out_dir: Path) -> RolloutSpec:
-    """``spec`` with an agent harness's runner when the env is one (its gateway serves ``spec``'s
-    engine on loopback once the first run starts)."""
-    env = config.env
-    if not isinstance(env, HarnessConfig):
-        return spec
-    try:
-        from turnrl.harness import HarnessRunner
-    except ImportError as exc:
-        raise RunError(f"env.kind harness serves a gateway: pip install 'turnrl[gateway]' ({exc})") from None
-    parser = template_parser(spec.encoder.template.tokenizer)
-    runner = HarnessRunner(env, spec.engine, spec.encoder, parser, config.model, out_dir)
-    return dataclasses.replace(spec, runner=runner)
 
 
 def build_env_factory(env: EnvConfig, entry: EnvEntry | None = None) -> EnvFactory:
@@ -157,8 +121,11 @@ def template_parser(tokenizer: Any, name: str | None = None) -> ToolParser | Non
     return get_parser(name) if name else None
 
 
-def build_spec(config: RunSections, engine: Engine, tokenizer: Any, env_factory: EnvFactory) -> RolloutSpec:
-    """The rollout spec of a run: its engine, env, chat encoder, sampling (seeded), limits, rewards."""
+def build_spec(
+    config: RunSections, engine: Engine, tokenizer: Any, env_factory: EnvFactory | None
+) -> RolloutSpec:
+    """The rollout spec of a run: its engine, env (None: a harness, ``app.kinds``), chat encoder,
+    sampling (seeded), limits, rewards."""
     encoder = build_encoder(config.model, config.chat, tokenizer)
     return RolloutSpec(
         env_factory=env_factory,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from turnrl.app.parts import EnvRouter, RunError
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import AnyEnvConfig, HarnessConfig
+from turnrl.config import HarnessConfig
 from turnrl.env.base import Env, EnvFactory
 from turnrl.support.errors import describe
 from turnrl.support.imports import import_object
@@ -89,11 +89,8 @@ def check_run(name: str, samples: Sequence[Sample], factory: EnvFactory) -> None
     check_env(name, factory, samples[0])
 
 
-def check_inputs(env: AnyEnvConfig, samples: Sequence[Sample], factory: EnvFactory) -> None:
-    """``check_run`` for an env; for a harness: the prompts, and that its command and hooks exist."""
-    if not isinstance(env, HarnessConfig):
-        check_run(env.name, samples, factory)
-        return
+def check_harness(env: HarnessConfig, samples: Sequence[Sample]) -> None:
+    """An agent harness's inputs: the prompts, the sandbox, that its command and hooks exist."""
     if not samples:
         raise RunError("no data: the data has no rows")
     check_prompts(samples)

@@ -12,15 +12,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from turnrl.app.engines import build_engine
+from turnrl.app.kinds import env_kind
 from turnrl.app.output import ROLLOUT, open_output, start_output
-from turnrl.app.parts import RunError, build_spec, env_inputs, load_samples, with_runner
-from turnrl.app.preflight import check_inputs, check_template
+from turnrl.app.parts import RunError, build_spec, load_samples
+from turnrl.app.preflight import check_template
 from turnrl.config import RunConfig
 from turnrl.rollout.codec import json_line
 from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recover, starts_a_run
 from turnrl.rollout.failures import FAILURES, check_failures
 from turnrl.rollout.metrics import run_reward, summarize, turn_record
-from turnrl.rollout.spec import RolloutSpec, TurnHook, close_runner
+from turnrl.rollout.spec import RolloutSpec, TurnHook, close_spec
 from turnrl.support.progress import LoggedProgress
 from turnrl.support.run_folder import FAILED, drop_aside, put_back, release
 from turnrl.support.stopping import bounded_stops
@@ -48,15 +49,16 @@ def prepare(
 ) -> Prepared:
     """Validate env, data, rewards and output folder, then load the model (or start its servers,
     which log into ``OUT/servers/``). Writes nothing else."""
-    entry, env_factory = env_inputs(config.env)
+    kind = env_kind(config.env)
+    entry, env_factory = kind.inputs()
     samples = load_samples(config.data, entry)
     out_dir = Path(config.output_dir)
     open_output(out_dir, ROLLOUT, config, overwrite, resume)
-    check_inputs(config.env, samples, env_factory)
+    kind.check(samples, env_factory)
     console = console or Console(stderr=True)
     with console.status(f"loading {config.model}") as status:
         engine, tokenizer = build_engine(config, out_dir / SERVERS, say=status.update)
-    spec = with_runner(build_spec(config, engine, tokenizer, env_factory), config, out_dir)
+    spec = kind.complete(build_spec(config, engine, tokenizer, env_factory), config.model, out_dir)
     try:
         check_template(spec.encoder, samples[0])
     except RunError:
@@ -170,13 +172,10 @@ async def run_prepared(prepared: Prepared, console: Console | None = None) -> di
                     skip=skip,
                 )
             finally:
-                await close_runner(prepared.spec)  # an agent harness's gateway
+                await close_spec(prepared.spec)  # a harness's gateway, Ray env workers
                 await prepared.spec.engine.close()
                 if turn_writer:
                     turn_writer.close()
-                shutdown = getattr(prepared.spec.env_factory, "shutdown", None)
-                if callable(shutdown):
-                    shutdown()  # stop the Ray env workers
         summary = summarize(finished)
         (prepared.out_dir / SUMMARY).write_text(json.dumps(json.loads(json_line(summary)), indent=2))
     finally:

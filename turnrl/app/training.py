@@ -22,9 +22,10 @@ from rich.console import Console
 from transformers.utils import logging as hf_logging
 
 from turnrl.app.engines import hf_engine_options, local_engine
+from turnrl.app.kinds import env_kind
 from turnrl.app.output import TRAINING, open_output, start_output
-from turnrl.app.parts import build_spec, env_inputs, load_samples, with_runner
-from turnrl.app.preflight import check_inputs, check_template
+from turnrl.app.parts import build_spec, load_samples
+from turnrl.app.preflight import check_template
 from turnrl.app.run import SERVERS
 from turnrl.config import ConfigError, HFEngineConfig, VLLMEngineConfig
 from turnrl.engines.hf import HFEngine
@@ -101,17 +102,18 @@ def build_run(
     hf_logging.disable_progress_bar()
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    entry, env_factory = env_inputs(config.env)
+    kind = env_kind(config.env)
+    entry, env_factory = kind.inputs()
     data = Data(
         load_samples(config.data, entry),
         load_samples(config.eval.data, entry) if config.eval.data else [],
         load_samples(config.warm_start.data, entry) if config.warm_start else [],
     )
-    check_inputs(config.env, data.train, env_factory)
+    kind.check(data.train, env_factory)
     spec = resolve_model(config.model)
     learner, engine = _learner_and_engine(config, spec, resumed, console, ranks)
     rollout = _rollout_spec(config, build_spec(config, engine, learner.tokenizer, env_factory), engine)
-    rollout = with_runner(rollout, config, out)
+    rollout = kind.complete(rollout, config.model, out)
     check_template(rollout.encoder, data.train[0])
     if ranks.main:
         start_output(out, TRAINING, config, resume)  # every input is valid: now the folder may change

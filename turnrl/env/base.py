@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 from turnrl.types import Message, Observation, Sample, StepResult, Trajectory
 
@@ -49,3 +49,14 @@ class Env:
 
 EnvFactory = Callable[[Sample], Env]
 """Builds a fresh env for one trajectory."""
+
+
+@runtime_checkable
+class StoppableFactory(Protocol):
+    """An env factory that holds workers (``turnrl.distributed``'s Ray actors), stopped once a run ends."""
+
+    def __call__(self, sample: Sample) -> Env: ...
+
+    def shutdown(self) -> None:
+        """Stop the workers; envs still open in them are lost."""
+        ...

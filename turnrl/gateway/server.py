@@ -48,7 +48,10 @@ class Gateway:
         parser: ToolParser | None,
         config: GatewayConfig,
         log: CallLog | None = None,
+        sealed: bool = False,
     ) -> None:
+        """``sealed`` (a harness's gateway): only sessions opened with a key are served, each to its
+        own key."""
         self.engine, self.encoder, self.parser, self.config, self.log = engine, encoder, parser, config, log
         self.model = config.served_name or config.model
         self.sessions: dict[str, Session] = {}
@@ -61,7 +64,7 @@ class Gateway:
         self._generating = 0  # generations in flight
         self._idle = asyncio.Condition()
         self.keys = frozenset(config.all_keys()) or None  # None: calls need no key
-        self.sealed = False  # True (a harness's gateway): only sessions opened with a key are served
+        self.sealed = sealed
         self._secrets: dict[str, str] = {}  # session -> the key its calls must carry
         self._owners: dict[str, str] = {}  # key -> its session (sealed), or session -> its key
 

@@ -1,15 +1,13 @@
-"""What a harness run left (``HarnessResult``), and its score: the user's reward, checked."""
+"""What a harness run left, as its reward sees it (``HarnessResult``); how it is scored is ``scoring``."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from turnrl.harness.process import CommandResult
-from turnrl.support.user_code import raised_at
 from turnrl.types import Message, Sample, Trajectory
 
 HarnessRewardFn = Callable[[Sample, "HarnessResult"], Any]
@@ -48,37 +46,3 @@ class HarnessResult:
     def messages(self) -> list[Message]:
         """The final conversation: the last branch's messages (empty when the agent never called)."""
         return self.branches[-1].messages if self.branches else []
-
-
-class RewardError(ValueError):
-    """The reward raised, or returned something that is not a score."""
-
-
-@dataclass(frozen=True)
-class Scores:
-    """What the reward gave: a value per branch, and whether it scored branches one by one (a list)
-    rather than the run (one number for all)."""
-
-    values: list[float]
-    per_branch: bool
-
-
-def branch_rewards(fn: HarnessRewardFn, sample: Sample, result: HarnessResult) -> Scores | None:
-    """Per branch, its reward: ``fn``'s float for every branch, its list (one per branch), or None
-    (the run is left out). ``RewardError`` says in one line what was wrong."""
-    try:
-        value = fn(sample, result)
-    except Exception as exc:
-        at = raised_at(exc)
-        where = f" at {at}" if at else ""
-        raise RewardError(f"the reward raised {type(exc).__name__}{where}: {exc}") from None
-    if value is None:
-        return None
-    n = len(result.branches)
-    values = list(value) if isinstance(value, list | tuple) else [value] * n
-    if len(values) != n:
-        raise RewardError(f"the reward returned {len(values)} values for {n} branches")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise RewardError(f"the reward returned {v!r}: a finite number is needed")
-    return Scores([float(v) for v in values], isinstance(value, list | tuple))

@@ -34,6 +34,8 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
     engine failures, and bugs, end the trajectory with a stop reason and the error."""
     sample = dataclasses.replace(sample, seed=env_seed(spec.sampling.seed, sample, sample_index))
     ep = Episode(sample, sample_index)
+    if spec.env_factory is None:
+        return ep.fail(StopReason.ENV_ERROR, "env: the rollout spec has no env_factory (and no runner)")
     try:
         env = spec.env_factory(sample)
     except (

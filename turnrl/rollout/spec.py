@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from turnrl.chat.check import CheckMode
 from turnrl.chat.encoder import ChatEncoder, ConversationEncoder
-from turnrl.env.base import Env, EnvFactory
+from turnrl.env.base import Env, EnvFactory, StoppableFactory
 from turnrl.env.rewards import Rewards
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.episode import Episode
@@ -18,7 +19,7 @@ from turnrl.types import Engine, Limits, Sample, SamplingParams, Trajectory, Tur
 class RolloutSpec:
     """Everything a trajectory needs besides its sample."""
 
-    env_factory: EnvFactory  # builds a fresh env per trajectory
+    env_factory: EnvFactory | None  # builds a fresh env per trajectory (None: ``runner`` runs every member)
     engine: Engine  # generates from token ids
     encoder: ChatEncoder  # the model's chat template and tokenizer
     sampling: SamplingParams  # per-turn sampling
@@ -30,19 +31,31 @@ class RolloutSpec:
     mask_offpolicy: bool = False  # mask (0) model tokens sampled by an older policy than the newest
     inference_contexts: bool = False  # record each turn's context as a chat server would render it
     vocab_size: int | None = None  # sampled ids at or above it end the trajectory as engine_error
-    runner: Runner | None = None  # runs a sample's group member itself (an agent harness), not the env loop
+    runner: Runner | None = None  # runs each group member itself instead of the turn loop (a harness)
 
 
-Runner = Callable[[Sample, int, "RolloutSpec"], Awaitable[list[Trajectory]]]
-"""Runs group member k of a sample its own way (an agent harness run) and returns its trajectories
-(the branches of its session), all with that sample index."""
+class Runner(Protocol):
+    """What runs a group member in place of the turn loop (``turnrl.harness.HarnessRunner`` runs an
+    agent that already exists). It never raises for one member: a failure is a trajectory with its
+    stop reason."""
+
+    async def __call__(self, sample: Sample, index: int, spec: RolloutSpec) -> list[Trajectory]:
+        """Group member ``index`` of ``sample``: its trajectories (an agent run's session branches),
+        all with that sample index."""
+        ...
+
+    async def close(self) -> None:
+        """Stop what the runner holds (a harness's gateway and fork server, its runs' folders)."""
+        ...
 
 
-async def close_runner(spec: RolloutSpec) -> None:
-    """Stop what the spec's runner holds (an agent harness's gateway), if it has a ``close``."""
-    close = getattr(spec.runner, "close", None)
-    if close is not None:
-        await close()
+async def close_spec(spec: RolloutSpec) -> None:
+    """Stop what the spec's parts hold besides the engine: its runner, and its env factory's workers
+    (Ray actors) when it has some."""
+    if spec.runner is not None:
+        await spec.runner.close()
+    if isinstance(spec.env_factory, StoppableFactory):
+        spec.env_factory.shutdown()
 
 
 TurnHook = Callable[[Sample, int, int, Turn], None]

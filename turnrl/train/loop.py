@@ -8,7 +8,7 @@ import shutil
 from typing import Any
 
 from turnrl.config import VLLMEngineConfig
-from turnrl.rollout.spec import close_runner
+from turnrl.rollout.spec import close_spec
 from turnrl.support.run_folder import drop_aside
 from turnrl.train.checkpoint import save
 from turnrl.train.metrics import MetricsLog, held_out_summary, make_tracker, plot_rewards, step_warnings
@@ -67,7 +67,7 @@ async def run_training(run: Run) -> dict[str, Any]:
             await feed.stop()
         run.progress = None
         log.close()
-        await close_runner(run.spec)  # an agent harness's gateway
+        await close_spec(run.spec)  # a harness's gateway, Ray env workers
         await run.engine.close()
         engine = config.engine
         if run.weights_dir is not None and not (isinstance(engine, VLLMEngineConfig) and engine.weights_dir):
