@@ -22,8 +22,9 @@ from typing import Any
 from turnrl.app import hf_engine
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.hf import HFEngine
+from turnrl.record.seeds import request_seed
 from turnrl.rollout.collector import collect
-from turnrl.rollout.loop import RolloutSpec, request_seed
+from turnrl.rollout.loop import RolloutSpec
 from turnrl.testing import EchoEnv
 from turnrl.types import Limits, Sample, SamplingParams
 

@@ -33,7 +33,7 @@ from turnrl.app.engines import vllm_engine
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import VLLMEngineConfig
 from turnrl.models import load_model, load_tokenizer
-from turnrl.rollout.loop import request_seed
+from turnrl.record.seeds import request_seed
 from turnrl.types import Sample
 
 

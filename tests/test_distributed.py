@@ -23,7 +23,7 @@ from turnrl.engines.scripted import ScriptedEngine  # noqa: E402
 from turnrl.env.base import EnvFactory, StepResult  # noqa: E402
 from turnrl.env.builtin.guess_number import GuessNumberEnv  # noqa: E402
 from turnrl.env.registry import resolve_env  # noqa: E402
-from turnrl.rollout.codec import trajectory_to_json  # noqa: E402
+from turnrl.record.codec import trajectory_to_json  # noqa: E402
 from turnrl.rollout.collector import collect, iter_trajectories  # noqa: E402
 from turnrl.rollout.loop import RolloutSpec  # noqa: E402
 from turnrl.testing import EchoEnv  # noqa: E402

@@ -9,7 +9,7 @@ from typing import Any
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.tool_env import ToolEnv
-from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
+from turnrl.record.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.rollout.metrics import summarize, turn_record
 from turnrl.tools import ToolOutput, tool

@@ -10,9 +10,10 @@ from typing import Any, ClassVar
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.env.base import Env
 from turnrl.env.rewards import RewardContext, Rewards
-from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
+from turnrl.record.codec import trajectory_from_json, trajectory_to_json
+from turnrl.record.seeds import env_seed
 from turnrl.rollout.collector import collect, read_trajectories
-from turnrl.rollout.loop import RolloutSpec, env_seed, run_trajectory
+from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.testing import EchoEnv, ScriptedEngine
 from turnrl.types import (
     SCHEMA_VERSION,

@@ -12,7 +12,7 @@ import yaml
 
 from turnrl.cli import main
 from turnrl.env import register_env
-from turnrl.rollout.codec import trajectory_from_json
+from turnrl.record.codec import trajectory_from_json
 from turnrl.testing import ParityEnv
 from turnrl.train.evaluation import ALL, eval_metrics, eval_rows, pass_at_k
 from turnrl.train.metrics import read_metrics

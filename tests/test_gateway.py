@@ -22,7 +22,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.gateway import Reason, read_branches
-from turnrl.rollout.codec import trajectory_to_json
+from turnrl.record.codec import trajectory_to_json
 from turnrl.rollout.finish import check_metrics
 from turnrl.train.advantages import AdvantageOptions, grpo
 from turnrl.types import StopReason

@@ -155,7 +155,7 @@ def test_recover_keeps_every_intact_record_once_whatever_the_damage(
     """Fuzzed damage to trajectories.jsonl (corrupt middle lines, a duplicated line, a cut tail):
     recover never raises, keeps exactly the intact records once each, reports each corrupt line
     with its number, and leaves a file that recovers to the same again."""
-    from turnrl.rollout.codec import json_line, trajectory_to_json
+    from turnrl.record.codec import json_line, trajectory_to_json
     from turnrl.rollout.collector import recover
     from turnrl.types import StopReason, Trajectory
 

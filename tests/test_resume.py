@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from turnrl.config import load_config
-from turnrl.rollout.codec import trajectory_to_json
+from turnrl.record.codec import trajectory_to_json
 from turnrl.rollout.collector import recover
 from turnrl.types import StopReason, Trajectory
 

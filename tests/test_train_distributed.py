@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from turnrl.data import to_samples
-from turnrl.rollout.codec import trajectory_from_json
+from turnrl.record.codec import trajectory_from_json
 from turnrl.testing import ParityEnv
 from turnrl.train.batch import step_prompts
 from turnrl.train.metrics import read_metrics

@@ -12,7 +12,7 @@ import yaml
 from test_train_distributed import HERE, steps_at_ratio_one, torchrun
 from vllm_helpers import need_vllm
 
-from turnrl.rollout.codec import trajectory_from_json
+from turnrl.record.codec import trajectory_from_json
 from turnrl.train.metrics import read_metrics
 
 

@@ -16,7 +16,7 @@ import turnrl.train.update as update_module
 from turnrl.app.training import train
 from turnrl.engines.hf.scheduler import Scheduler
 from turnrl.env import register_env
-from turnrl.rollout.codec import trajectory_from_json
+from turnrl.record.codec import trajectory_from_json
 from turnrl.rollout.collector import collect
 from turnrl.testing import ParityEnv
 from turnrl.train.config import TrainConfig

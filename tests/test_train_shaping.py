@@ -13,7 +13,7 @@ from rich.console import Console
 
 from turnrl.app.training import build_run
 from turnrl.env import Env, register_env
-from turnrl.rollout.codec import trajectory_from_json
+from turnrl.record.codec import trajectory_from_json
 from turnrl.train.config import TrainConfig
 from turnrl.train.shaping import overlong_penalty, refill_count, shape_overlong, varied_groups
 from turnrl.train.trainer import train_step

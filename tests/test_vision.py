@@ -18,7 +18,7 @@ from turnrl.engines.sglang import generate_payload
 from turnrl.env.base import Env
 from turnrl.env.tool_env import ToolEnv
 from turnrl.models import load_tokenizer, load_vision_processor, resolve_model
-from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
+from turnrl.record.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.tools.function import tool
 from turnrl.train.batch import build_samples

@@ -610,7 +610,7 @@ async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_t
     import vllm_helpers
 
     from turnrl.app.training import train_async
-    from turnrl.rollout.codec import trajectory_from_json
+    from turnrl.record.codec import trajectory_from_json
     from turnrl.train import overlap, weight_sync
     from turnrl.train.config import load_train_config
 

@@ -15,7 +15,7 @@ from turnrl.env.builtin.frozen_lake import INVALID_HINT, FrozenLakeEnv, parse_ac
 from turnrl.env.builtin.zoom import Layout, ZoomEnv, draw_grid
 from turnrl.env.registry import resolve_env
 from turnrl.models import load_tokenizer, load_vision_processor
-from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
+from turnrl.record.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.loop import RolloutSpec, run_trajectory
 from turnrl.types import Limits, Message, Sample, SamplingParams, StopReason, Trajectory
 

@@ -7,7 +7,7 @@ asked and answers (``SamplingParams``, ``Generation``), the engine protocol and 
 capabilities (``Abortable``, ``WeightUpdatable``, ``WeightFollowing``, ``Versioned``, ``Addressed``,
 ``Served``) with typed helpers that callers use instead of probing attributes (``as_abortable``,
 ``weight_version``, ...). This module imports nothing of turnrl; the JSON codec of a trajectory
-lives in ``turnrl.rollout.codec``.
+lives in ``turnrl.record.codec``.
 """
 
 from __future__ import annotations

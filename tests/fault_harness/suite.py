@@ -42,7 +42,7 @@ from turnrl.engines.openai import OpenAIEngine
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.env.base import Env
 from turnrl.env.tool_env import ToolEnv
-from turnrl.rollout.codec import trajectory_from_json
+from turnrl.record.codec import trajectory_from_json
 from turnrl.rollout.collector import collect
 from turnrl.rollout.metrics import summarize
 from turnrl.rollout.spec import RolloutSpec

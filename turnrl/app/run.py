@@ -17,8 +17,9 @@ from turnrl.app.output import ROLLOUT, open_output, start_output
 from turnrl.app.parts import RunError, build_spec, load_samples
 from turnrl.app.preflight import check_template
 from turnrl.config import RunConfig
-from turnrl.rollout.codec import json_line
-from turnrl.rollout.collector import JsonlWriter, collect, keep_turns_of, recover, starts_a_run
+from turnrl.record.codec import json_line
+from turnrl.record.writer import JsonlWriter
+from turnrl.rollout.collector import collect, keep_turns_of, recover, starts_a_run
 from turnrl.rollout.failures import FAILURES, check_failures
 from turnrl.rollout.metrics import run_reward, summarize, turn_record
 from turnrl.rollout.spec import RolloutSpec, TurnHook, close_spec

@@ -22,7 +22,7 @@ from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.messages import BadMessage, check_call_ids
 from turnrl.gateway.session import Plan, Reason, Reply, Session
 from turnrl.gateway.store import CallLog, call_record
-from turnrl.rollout.generation import request_seed
+from turnrl.record.seeds import request_seed
 from turnrl.support.errors import describe
 from turnrl.tools.parser_base import ToolParser
 from turnrl.types import (

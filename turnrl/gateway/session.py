@@ -27,8 +27,8 @@ from turnrl.gateway.messages import (
     sampled_message,
     template_message,
 )
-from turnrl.rollout.episode import Episode
-from turnrl.rollout.record import ResponseRecord
+from turnrl.record.episode import Episode
+from turnrl.record.record import fork_record
 from turnrl.tools.base import ParseResult
 from turnrl.tools.parser_base import ToolParser, split_reasoning
 from turnrl.types import (
@@ -41,8 +41,6 @@ from turnrl.types import (
     StopReason,
     Trajectory,
 )
-from turnrl.vision.buffer import MultimodalBuffer, first_images
-from turnrl.vision.content import count_images
 
 
 class Reason(StrEnum):
@@ -172,30 +170,6 @@ def tools_key(tools: list[dict[str, Any]] | None) -> str:
     return json.dumps(tools or [], sort_keys=True)
 
 
-def copy_record(record: ResponseRecord, prompt_len: int, end: int, messages: int) -> ResponseRecord:
-    """The first ``end`` tokens of ``record`` (prompt included) as a record of their own, with the
-    turns that end by then and the first ``messages`` messages."""
-    cut = end - prompt_len
-    turns = [t for t in record.turns if t.end <= cut]
-    kept = list(record.messages[:messages])
-    images = count_images(kept)
-    multimodal = MultimodalBuffer()
-    multimodal.append(first_images(record.multimodal.merge(), images) if images else {})
-    return ResponseRecord(
-        sequence=record.sequence[:end],
-        response_ids=record.response_ids[:cut],
-        loss_mask=record.loss_mask[:cut],
-        rollout_logprobs=record.rollout_logprobs[:cut],
-        policy_versions=record.policy_versions[:cut],
-        turns=list(turns),
-        messages=kept,
-        num_model_turns=sum(1 for t in turns if t.role == "assistant"),
-        reported=len(turns),
-        images=record.images[:images],
-        multimodal=multimodal,
-    )
-
-
 def record_call(
     episode: Episode,
     added: Encoded,
@@ -231,7 +205,7 @@ def forked_episode(source: Episode, index: int, point: CallPoint, after_reply: b
     )
     episode = Episode(source.sample, index)
     episode.prompt_ids = source.prompt_ids
-    episode.record = copy_record(source.record, len(source.prompt_ids), end, kept)
+    episode.record = fork_record(source.record, len(source.prompt_ids), end, kept)
     return episode
 
 

@@ -19,9 +19,10 @@ from typing import Any
 
 from turnrl.chat.encoder import Encoded
 from turnrl.gateway.forest import train_once
-from turnrl.gateway.session import Plan, Reply, copy_record, record_call
-from turnrl.rollout.collector import JsonlWriter
-from turnrl.rollout.episode import Episode
+from turnrl.gateway.session import Plan, Reply, record_call
+from turnrl.record.episode import Episode
+from turnrl.record.record import fork_record
+from turnrl.record.writer import JsonlWriter
 from turnrl.types import Generation, Message, Sample, SessionBranch, Trajectory
 from turnrl.vision.content import count_images, load_image, messages_from_json, messages_to_json
 from turnrl.vision.processor import ImageInput
@@ -197,5 +198,5 @@ def _start(call: dict[str, Any], episodes: dict[tuple[str, int], Episode]) -> Ep
     fork = call["fork"]
     episode = Episode(parent.sample, call["branch"])
     episode.prompt_ids = parent.prompt_ids
-    episode.record = copy_record(parent.record, len(parent.prompt_ids), fork["at"], fork["messages"])
+    episode.record = fork_record(parent.record, len(parent.prompt_ids), fork["at"], fork["messages"])
     return episode

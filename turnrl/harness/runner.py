@@ -36,7 +36,7 @@ from turnrl.harness.result import HarnessResult
 from turnrl.harness.runtime import LocalRuntime, Runtime
 from turnrl.harness.sandbox import BubblewrapRuntime
 from turnrl.harness.scoring import Scoring, as_member
-from turnrl.rollout.episode import failed_trajectory
+from turnrl.record.episode import failed_trajectory
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.errors import describe
 from turnrl.support.imports import import_object, search_path

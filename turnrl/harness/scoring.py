@@ -23,7 +23,7 @@ from turnrl.config import HarnessConfig
 from turnrl.gateway.forest import train_once
 from turnrl.harness.process import Exit
 from turnrl.harness.result import HarnessResult, HarnessRewardFn
-from turnrl.rollout.episode import failed_trajectory
+from turnrl.record.episode import failed_trajectory
 from turnrl.support.imports import import_object
 from turnrl.support.user_code import raised_at
 from turnrl.types import AgentRun, Sample, StopReason, Trajectory

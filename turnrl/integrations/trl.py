@@ -44,8 +44,8 @@ from turnrl.env.base import EnvFactory
 from turnrl.env.registry import EnvEntry, resolve_env
 from turnrl.env.rewards import RewardFn, Rewards
 from turnrl.integrations.prompt_index import ID_FIELD, PromptIndex, tag_prompt
-from turnrl.rollout.collector import JsonlWriter
-from turnrl.rollout.episode import failed_trajectory
+from turnrl.record.episode import failed_trajectory
+from turnrl.record.writer import JsonlWriter
 from turnrl.rollout.loop import run_trajectory
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.errors import describe

@@ -1,6 +1,6 @@
 """The turn loop, its episode state and record, the collector, and pause/resume control."""
 
-from turnrl.rollout.codec import trajectory_from_json, trajectory_to_json
+from turnrl.record.codec import trajectory_from_json, trajectory_to_json
 from turnrl.rollout.collector import collect, iter_trajectories, read_trajectories
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.loop import run_trajectory

@@ -8,22 +8,15 @@ carrying the weight version that sampled it.
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Sequence
 
+from turnrl.record.record import ResponseRecord
+from turnrl.record.seeds import request_seed
 from turnrl.rollout.control import RolloutControl
 from turnrl.rollout.env_turns import assistant_message, budget
-from turnrl.rollout.record import ResponseRecord
 from turnrl.rollout.spec import Play, RolloutSpec
 from turnrl.support.errors import describe
 from turnrl.types import CURRENT_TURN, Generation, Sample, StopReason, Turn, TurnContext
-
-
-def request_seed(base: int | None, sample: Sample, index: int, turn: int) -> int | None:
-    """A distinct, reproducible seed per (sample, index in group, turn), or None when unseeded."""
-    if base is None:
-        return None
-    return zlib.crc32(f"{base}/{sample.id}/{index}/{turn}".encode())
 
 
 async def model_turn(play: Play) -> Turn | None:

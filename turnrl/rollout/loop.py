@@ -8,25 +8,17 @@ to turn travels as one ``Play``.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
+from turnrl.record.episode import Episode
+from turnrl.record.seeds import env_seed, request_seed
 from turnrl.rollout import env_turns
-from turnrl.rollout.episode import Episode
 from turnrl.rollout.finish import finish
-from turnrl.rollout.generation import model_turn, request_seed
+from turnrl.rollout.generation import model_turn
 from turnrl.rollout.spec import Play, RolloutSpec, TurnHook
 from turnrl.support.errors import describe
 from turnrl.types import Sample, StopReason, Trajectory
 
 __all__ = ["RolloutSpec", "TurnHook", "env_seed", "request_seed", "run_trajectory"]
-
-
-def env_seed(base: int | None, sample: Sample, index: int) -> int | None:
-    """The env's seed for one trajectory: the row's own, else derived from the run's seed, the
-    sample and the index in the group (distinct per trajectory, the same on every rerun)."""
-    if sample.seed is not None or base is None:
-        return sample.seed
-    return zlib.crc32(f"{base}/{sample.id}/{index}/env".encode())
 
 
 async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 0) -> Trajectory:

@@ -10,8 +10,8 @@ from turnrl.chat.check import CheckMode
 from turnrl.chat.encoder import ChatEncoder, ConversationEncoder
 from turnrl.env.base import Env, EnvFactory, StoppableFactory
 from turnrl.env.rewards import Rewards
+from turnrl.record.episode import Episode
 from turnrl.rollout.control import RolloutControl
-from turnrl.rollout.episode import Episode
 from turnrl.types import Engine, Limits, Sample, SamplingParams, Trajectory, Turn
 
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
-from turnrl.rollout.codec import json_line
+from turnrl.record.codec import json_line
 from turnrl.rollout.metrics import run_metrics
 from turnrl.types import Trajectory
 

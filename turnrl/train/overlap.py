@@ -31,7 +31,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from turnrl.rollout.collector import JsonlWriter, collect
+from turnrl.record.writer import JsonlWriter
+from turnrl.rollout.collector import collect
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.train.batch import step_prompts, step_seed
 from turnrl.train.data_parallel import shard

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.gateway.store import CALLS, read_branches
-from turnrl.rollout.codec import strict_json, trajectory_to_json
+from turnrl.record.codec import strict_json, trajectory_to_json
 from turnrl.rollout.validate import training_files
 from turnrl.viewer.assets import PAGE_CSS, PAGE_JS, PAGE_TEMPLATE
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnrl.rollout.record import ResponseRecord
+from turnrl.record.record import ResponseRecord
 from turnrl.types import Sample, StopReason, Trajectory
 
 

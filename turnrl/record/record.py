@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from turnrl.chat.encoder import Encoded
 from turnrl.types import Generation, Message, Turn
-from turnrl.vision.buffer import MultimodalBuffer
+from turnrl.vision.buffer import MultimodalBuffer, first_images
+from turnrl.vision.content import count_images
 from turnrl.vision.processor import ImageInput
 
 
@@ -66,3 +67,27 @@ class ResponseRecord:
             Turn(role, start, len(self.response_ids), text, {"encode": seconds}, None, None, retries)
         )
         self.messages += messages
+
+
+def fork_record(record: ResponseRecord, prompt_len: int, end: int, messages: int) -> ResponseRecord:
+    """The first ``end`` tokens of ``record`` (prompt included) as a record of their own, with the
+    turns that end by then and the first ``messages`` messages: where a forked branch starts."""
+    cut = end - prompt_len
+    turns = [t for t in record.turns if t.end <= cut]
+    kept = list(record.messages[:messages])
+    images = count_images(kept)
+    multimodal = MultimodalBuffer()
+    multimodal.append(first_images(record.multimodal.merge(), images) if images else {})
+    return ResponseRecord(
+        sequence=record.sequence[:end],
+        response_ids=record.response_ids[:cut],
+        loss_mask=record.loss_mask[:cut],
+        rollout_logprobs=record.rollout_logprobs[:cut],
+        policy_versions=record.policy_versions[:cut],
+        turns=list(turns),
+        messages=kept,
+        num_model_turns=sum(1 for t in turns if t.role == "assistant"),
+        reported=len(turns),
+        images=record.images[:images],
+        multimodal=multimodal,
+    )
