@@ -79,7 +79,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--quick"):
-        left_out = [item for item in items if Path(item.nodeid.split("::", 1)[0]).stem in NOT_QUICK]
+
+        def slow(item: pytest.Item) -> bool:
+            module = Path(item.nodeid.split("::", 1)[0]).stem
+            return module in NOT_QUICK or item.get_closest_marker("llama_cpp_vocab") is not None
+
+        left_out = [item for item in items if slow(item)]
         items[:] = [item for item in items if item not in left_out]
         config.hook.pytest_deselected(items=left_out)
     items.sort(key=lambda item: _unit(item.nodeid) != "vllm")  # stable: each module's order is kept

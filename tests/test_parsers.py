@@ -277,7 +277,16 @@ def _family_reply(name: str) -> tuple[str, list[tuple[str, dict[str, object]]]]:
     raise AssertionError(f"{name}: the template renders no assistant turn with tool calls")
 
 
-@pytest.mark.parametrize("name", sorted(FAMILY_PARSERS))
+def _family(name: str) -> object:
+    """The family as a parameter, marked when its tokenizer is one of llama.cpp's vocabularies (the
+    inner loop, ``--quick``, has no llama.cpp checkout)."""
+    from template_corpus import BY_NAME
+
+    gguf = BY_NAME[name].tokenizer.startswith("gguf:")
+    return pytest.param(name, marks=[pytest.mark.llama_cpp_vocab] if gguf else [])
+
+
+@pytest.mark.parametrize("name", [_family(name) for name in sorted(FAMILY_PARSERS)])
 def test_each_familys_parser_reads_back_the_calls_its_own_template_renders(name: str) -> None:
     from template_corpus import BY_NAME
 
