@@ -591,7 +591,7 @@ async def test_an_unchanged_agent_trains_through_the_gateway_on_vllm_with_exact_
     rollouts = (tmp_path / "train" / "rollouts" / "step_000001.jsonl").read_text().splitlines()
     trajs = [yaml.safe_load(line) for line in rollouts]
     assert len({(t["group_id"], t["sample_index"]) for t in trajs}) == 2 * 4
-    assert all(t["stop_reason"] == "agent_done" and t["info"]["session"] for t in trajs)
+    assert all(t["stop_reason"] == "agent_done" and t["branch"]["session"] for t in trajs)
     reset = VLLMServerEngine(url, refresh_tied_weights=True)  # base weights for the tests after this one
     await reset.update_weights(smollm2.state_dict())
     await reset.close()
