@@ -12,10 +12,21 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from turnrl.gateway.call import ApiError, ChatRequest, Completed
-from turnrl.gateway.openai_chat import checked_body, positive, stop_list
+from turnrl.gateway.call import (
+    ApiError,
+    ChatRequest,
+    Completed,
+    Incoming,
+    Outgoing,
+    checked_body,
+    positive,
+    stop_list,
+)
+
+if TYPE_CHECKING:
+    from turnrl.gateway.server import Gateway
 
 KNOWN = {
     "model", "messages", "system", "max_tokens", "tools", "tool_choice", "stop_sequences", "stream",
@@ -218,3 +229,39 @@ def events(done: Completed) -> Iterator[str]:
     stop = {"stop_reason": whole["stop_reason"], "stop_sequence": None}
     yield event("message_delta", {"delta": stop, "usage": {"output_tokens": done.completion_tokens}})
     yield event("message_stop", {})
+
+
+# an Anthropic client adds /v1 to its base URL itself: one given .../v1 asks for /v1/v1/...
+class AnthropicMessages:
+    """The Messages dialect (``/v1/messages``)."""
+
+    paths: tuple[str, ...] = ("/v1/messages", "/v1/v1/messages")
+    counted: bool = True
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error_body(error)
+
+    async def serve(self, call: Incoming) -> Outgoing:
+        asked = read_request(call.body)
+        done = await call.answer(call.session, asked)
+        return events(done) if asked.stream else response(done)
+
+
+class AnthropicCountTokens:
+    """Messages' token count (``/v1/messages/count_tokens``): the tokens a request's messages take
+    as a fresh prompt, nothing generated, nothing recorded."""
+
+    paths: tuple[str, ...] = ("/v1/messages/count_tokens", "/v1/v1/messages/count_tokens")
+    counted: bool = False
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error_body(error)
+
+    async def serve(self, call: Incoming) -> Outgoing:
+        body = call.body
+        asked = read_request({"max_tokens": 1, **body} if isinstance(body, dict) else body)
+        self.gateway.check_model(asked.model)
+        return {"input_tokens": self.gateway.prompt_length(asked)}

@@ -1,15 +1,19 @@
 """One call, whatever API it came in: the request as the gateway reads it (messages and tools in the
 chat template's OpenAI form), the answer it gives, and an error with its HTTP status.
 
-Each API module (``openai_chat``, ``openai_responses``, ``anthropic_messages``) reads its requests
-into a ``ChatRequest`` and writes a ``Completed`` (and an ``ApiError``) in its own schema, so the
-session logic sees one kind of call.
+Each API is a ``Dialect`` (``openai_chat.OpenAIChat``, ``openai_responses.OpenAIResponses``,
+``anthropic_messages.AnthropicMessages`` and ``AnthropicCountTokens``, registered in
+``dialects.DIALECTS``): it reads its requests into a ``ChatRequest``, writes a ``Completed`` (and an
+``ApiError``) in its own schema, and holds its own state, so the session logic sees one kind of
+call and ``routes`` serves every dialect the same way. The checks every dialect reads a body with
+(``checked_body``, ``positive``, ``stop_list``) are here too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from turnrl.gateway.session import Reply
 
@@ -66,3 +70,71 @@ class Completed:
     def completion_tokens(self) -> int:
         """Tokens sampled over all replies."""
         return sum(len(lps) for lps in self.logprobs)
+
+
+Answer = Callable[[str, ChatRequest], Awaitable[Completed]]
+"""The gateway's answer to a call of a session (aborted when the client goes away first)."""
+
+Outgoing = dict[str, Any] | Iterator[str]
+"""What a dialect answers: a JSON body, or the server-sent events of a stream."""
+
+
+@dataclass
+class Incoming:
+    """One HTTP call as a dialect gets it."""
+
+    body: Any  # the request's JSON
+    session: str  # the session its URL or key may write to (authorized)
+    named: bool  # whether its URL or key named that session (else the gateway's default one)
+    answer: Answer
+
+
+class Dialect(Protocol):
+    """One API the gateway speaks: the paths it is served at (each also under ``/s/{session}``),
+    how it answers a call, and its errors in its own schema."""
+
+    paths: tuple[str, ...]
+    counted: bool  # whether its errors count in /metrics (a token count is not a call)
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        """``error`` as this API writes it."""
+        ...
+
+    async def serve(self, call: Incoming) -> Outgoing:
+        """Read ``call``'s request, answer it (``call.answer``), write the answer (``ApiError``: a
+        request it refuses)."""
+        ...
+
+
+def stop_list(value: Any, param: str) -> list[str]:
+    """Stop strings as a list: a string, a list of strings, or nothing; ``ApiError`` (400) else."""
+    if value is None or value == []:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise ApiError(400, f"{param} must be a string or a list of strings", param=param)
+
+
+def checked_body(body: Any, known: set[str], listed: str) -> Mapping[str, Any]:
+    """``body`` as a JSON object of fields the gateway knows, whose ``listed`` field is a non-empty
+    list (or text, for the Responses API's ``input``); ``ApiError`` (400) names the first problem."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(
+            400, f"unsupported parameter: {unknown[0]!r}", param=unknown[0], code="unsupported_parameter"
+        )
+    value = body.get(listed)
+    if not (isinstance(value, list) and value) and not (listed == "input" and isinstance(value, str)):
+        raise ApiError(400, f"'{listed}' must be a non-empty list", param=listed)
+    return body
+
+
+def positive(value: Any, name: str) -> int | None:
+    """An optional positive integer field."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ApiError(400, f"{name} must be a positive integer", param=name)
+    return value

@@ -9,7 +9,16 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from turnrl.gateway.call import ApiError, ChatRequest, Completed
+from turnrl.gateway.call import (
+    ApiError,
+    ChatRequest,
+    Completed,
+    Incoming,
+    Outgoing,
+    checked_body,
+    positive,
+    stop_list,
+)
 
 KNOWN = {
     "model", "messages", "tools", "tool_choice", "parallel_tool_calls", "n", "stop", "max_tokens",
@@ -23,40 +32,6 @@ MAX_N = 16
 def error_body(error: ApiError) -> dict[str, Any]:
     """An error as the OpenAI API writes it."""
     return {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": error.code}}
-
-
-def stop_list(value: Any, param: str) -> list[str]:
-    """Stop strings as a list: a string, a list of strings, or nothing; ``ApiError`` (400) else."""
-    if value is None or value == []:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return list(value)
-    raise ApiError(400, f"{param} must be a string or a list of strings", param=param)
-
-
-def checked_body(body: Any, known: set[str], listed: str) -> Mapping[str, Any]:
-    """``body`` as a JSON object of fields the gateway knows, whose ``listed`` field is a non-empty
-    list (or text, for the Responses API's ``input``); ``ApiError`` (400) names the first problem."""
-    if not isinstance(body, Mapping):
-        raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise ApiError(
-            400, f"unsupported parameter: {unknown[0]!r}", param=unknown[0], code="unsupported_parameter"
-        )
-    value = body.get(listed)
-    if not (isinstance(value, list) and value) and not (listed == "input" and isinstance(value, str)):
-        raise ApiError(400, f"'{listed}' must be a non-empty list", param=listed)
-    return body
-
-
-def positive(value: Any, name: str) -> int | None:
-    """An optional positive integer field."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ApiError(400, f"{name} must be a positive integer", param=name)
-    return value
 
 
 def read_request(body: Any) -> ChatRequest:
@@ -155,3 +130,18 @@ def chunks(done: Completed, include_usage: bool) -> Iterator[str]:
     if include_usage:
         yield f"data: {json.dumps(base | {'choices': [], 'usage': usage(done)})}\n\n"
     yield "data: [DONE]\n\n"
+
+
+class OpenAIChat:
+    """The Chat Completions dialect (``/v1/chat/completions``)."""
+
+    paths: tuple[str, ...] = ("/v1/chat/completions",)
+    counted: bool = True
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error_body(error)
+
+    async def serve(self, call: Incoming) -> Outgoing:
+        asked = read_request(call.body)
+        done = await call.answer(call.session, asked)
+        return chunks(done, asked.include_usage) if asked.stream else response(done)

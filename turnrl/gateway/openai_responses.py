@@ -5,7 +5,8 @@ OpenAI chat messages, an answer written as a response with output items or its e
 items join the assistant message before them (or make one); ``function_call_output`` items become
 tool messages; a ``reasoning`` item becomes the next assistant message's ``reasoning_content``. The
 reply goes back as a ``reasoning`` item, a ``message`` item and ``function_call`` items.
-``previous_response_id`` continues a response this gateway gave (its messages and reply first).
+``previous_response_id`` continues a response this gateway gave (its messages and reply first):
+the dialect (``OpenAIResponses``) keeps the last ``KEEP_RESPONSES`` answers' conversations.
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from turnrl.gateway.call import ApiError, ChatRequest, Completed
-from turnrl.gateway.openai_chat import checked_body, positive
+from turnrl.gateway.call import ApiError, ChatRequest, Completed, Incoming, Outgoing, checked_body, positive
+from turnrl.gateway.openai_chat import error_body
 
+if TYPE_CHECKING:
+    from turnrl.gateway.server import Gateway
+
+KEEP_RESPONSES = 10_000  # answers a later request may continue (previous_response_id)
 KNOWN = {
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "stream", "stream_options", "reasoning", "store", "include", "temperature", "top_p", "metadata",
@@ -210,3 +216,48 @@ def _opening(item: dict[str, Any]) -> dict[str, Any]:
     if item["type"] == "function_call":
         return item | {"status": "in_progress", "arguments": ""}
     return item
+
+
+class OpenAIResponses:
+    """The Responses dialect (``/v1/responses``), with its memory of earlier answers: a request that
+    names one continues its conversation, in its session. Where sessions belong to keys (a harness's
+    gateway, or one with ``api_keys``), another key's response is not found (404)."""
+
+    paths: tuple[str, ...] = ("/v1/responses",)
+    counted: bool = True
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.private = gateway.sealed or gateway.keys is not None
+        self.answers: OrderedDict[str, tuple[str, list[dict[str, Any]]]] = OrderedDict()
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error_body(error)
+
+    async def serve(self, call: Incoming) -> Outgoing:
+        name, history = call.session, None
+        earlier = call.body.get("previous_response_id") if isinstance(call.body, dict) else None
+        if earlier:
+            owner, history = self.history(str(earlier))
+            if owner != name and self.private:  # not this key's
+                raise ApiError(404, f"previous response {earlier!r} not found", param="previous_response_id")
+            name = name if call.named else owner
+        asked = read_request(call.body, history)
+        done = await call.answer(name, asked)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        self.remember(response_id, name, [*asked.messages, done.reply.message])
+        if asked.stream:
+            return events(done, response_id, asked.tools)
+        return response(done, response_id, asked.tools)
+
+    def remember(self, response_id: str, session: str, messages: list[dict[str, Any]]) -> None:
+        """Keep an answer's conversation (request and reply) for ``previous_response_id``."""
+        self.answers[response_id] = (session, messages)
+        while len(self.answers) > KEEP_RESPONSES:
+            self.answers.popitem(last=False)
+
+    def history(self, response_id: str) -> tuple[str, list[dict[str, Any]]]:
+        """The session and conversation of an earlier answer (404 when unknown)."""
+        if response_id not in self.answers:
+            message = f"previous_response_id {response_id!r} is not a response of this gateway"
+            raise ApiError(404, message, param="previous_response_id")
+        return self.answers[response_id]

@@ -1,5 +1,6 @@
-"""The gateway over HTTP: OpenAI Chat Completions, OpenAI Responses and Anthropic Messages, each at
-``/v1/...`` and at ``/s/{session}/v1/...``, plus ``/v1/models`` and ``/metrics``.
+"""The gateway over HTTP: each API of ``dialects.DIALECTS`` (OpenAI Chat Completions, OpenAI
+Responses, Anthropic Messages and its token count) at ``/v1/...`` and at ``/s/{session}/v1/...``,
+plus ``/v1/models`` and ``/metrics``; one route per dialect and path, all alike.
 
 A session is named by the URL or by the API key (``Authorization: Bearer KEY`` or ``x-api-key``), so
 an agent needs only ``base_url`` and ``api_key``; a gateway with keys (``api_keys``, or a harness's,
@@ -13,15 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from turnrl.gateway import anthropic_messages, openai_chat, openai_responses
-from turnrl.gateway.call import ApiError, ChatRequest, Completed
+from turnrl.gateway.call import ApiError, ChatRequest, Completed, Dialect, Incoming
+from turnrl.gateway.dialects import dialects
 from turnrl.gateway.server import Gateway
 from turnrl.support.errors import describe
 
@@ -33,79 +33,41 @@ ErrorBody = Callable[[ApiError], dict[str, Any]]
 
 
 def make_app(gateway: Gateway) -> FastAPI:
-    """The FastAPI application serving ``gateway``."""
+    """The FastAPI application serving ``gateway``: every dialect of ``dialects.DIALECTS`` at its
+    paths, at the root and under ``/s/{session}``, plus ``/v1/models`` and ``/metrics``."""
     app = FastAPI(title="turnrl gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": gateway.model, "object": "model", "owned_by": "turnrl"}]}
 
-    async def chat(request: Request, session: str | None = None) -> Response:
-        async def run() -> Response:
-            name = _name(gateway, request, session)
-            asked = openai_chat.read_request(await _body(request))
-            done = await _answer(gateway, request, name, asked)
-            if asked.stream:
-                return _stream(openai_chat.chunks(done, asked.include_usage))
-            return JSONResponse(openai_chat.response(done))
-
-        return await _guarded(gateway, run, openai_chat.error_body)
-
-    async def responses(request: Request, session: str | None = None) -> Response:
-        async def run() -> Response:
-            name = _name(gateway, request, session)
-            body = await _body(request)
-            earlier = body.get("previous_response_id") if isinstance(body, dict) else None
-            history = None
-            if earlier:
-                owner, history = gateway.history(str(earlier))
-                if owner != name and (gateway.sealed or gateway.keys is not None):  # not this key's
-                    raise ApiError(
-                        404, f"previous response {earlier!r} not found", param="previous_response_id"
-                    )
-                name = owner if session is None and _key(request) is None else name
-            asked = openai_responses.read_request(body, history)
-            done = await _answer(gateway, request, name, asked)
-            response_id = f"resp_{uuid.uuid4().hex}"
-            gateway.remember(response_id, name, [*asked.messages, done.reply.message])
-            if asked.stream:
-                return _stream(openai_responses.events(done, response_id, asked.tools))
-            return JSONResponse(openai_responses.response(done, response_id, asked.tools))
-
-        return await _guarded(gateway, run, openai_chat.error_body)
-
-    async def messages(request: Request, session: str | None = None) -> Response:
-        async def run() -> Response:
-            name = _name(gateway, request, session)
-            asked = anthropic_messages.read_request(await _body(request))
-            done = await _answer(gateway, request, name, asked)
-            if asked.stream:
-                return _stream(anthropic_messages.events(done))
-            return JSONResponse(anthropic_messages.response(done))
-
-        return await _guarded(gateway, run, anthropic_messages.error_body)
-
-    async def count_tokens(request: Request, session: str | None = None) -> Response:
-        async def run() -> Response:
-            _name(gateway, request, session)
-            body = await _body(request)
-            asked = anthropic_messages.read_request(
-                {"max_tokens": 1, **body} if isinstance(body, dict) else body
-            )
-            gateway.check_model(asked.model)
-            return JSONResponse({"input_tokens": gateway.count_tokens(asked)})
-
-        return await _guarded(gateway, run, anthropic_messages.error_body, count=False)
-
     for prefix in ("", "/s/{session}"):
         app.get(f"{prefix}/v1/models")(models)
-        app.post(f"{prefix}/v1/chat/completions")(chat)
-        app.post(f"{prefix}/v1/responses")(responses)
-        # an Anthropic client adds /v1 to its base URL itself: one given .../v1 asks for /v1/v1/...
-        for version in ("/v1", "/v1/v1"):
-            app.post(f"{prefix}{version}/messages")(messages)
-            app.post(f"{prefix}{version}/messages/count_tokens")(count_tokens)
+        for dialect in dialects(gateway):
+            for path in dialect.paths:
+                app.post(f"{prefix}{path}")(_endpoint(gateway, dialect))
     app.get("/metrics")(lambda: PlainTextResponse(gateway.metrics()))
     return app
+
+
+def _endpoint(gateway: Gateway, dialect: Dialect) -> Callable[..., Awaitable[Response]]:
+    """The route of ``dialect``: the call authorized, its body read, served, answered as JSON or as a
+    stream of events; any failure in the dialect's error schema."""
+
+    async def endpoint(request: Request, session: str | None = None) -> Response:
+        async def run() -> Response:
+            key = _key(request)
+            name = gateway.authorize(session, key, DEFAULT_SESSION)
+            body = await _body(request)
+
+            async def answer(name: str, asked: ChatRequest) -> Completed:
+                return await _answer(gateway, request, name, asked)
+
+            out = await dialect.serve(Incoming(body, name, session is not None or key is not None, answer))
+            return JSONResponse(out) if isinstance(out, dict) else _stream(out)
+
+        return await _guarded(gateway, run, dialect.error_body, count=dialect.counted)
+
+    return endpoint
 
 
 async def _guarded(
@@ -150,11 +112,6 @@ async def _answer(gateway: Gateway, request: Request, name: str, asked: ChatRequ
 
 def _stream(events: Iterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream")
-
-
-def _name(gateway: Gateway, request: Request, session: str | None) -> str:
-    """The session the call writes to, if its key may (a 401 else)."""
-    return gateway.authorize(session, _key(request), DEFAULT_SESSION)
 
 
 async def _body(request: Request) -> Any:

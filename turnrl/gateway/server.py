@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,8 +35,6 @@ from turnrl.types import (
     weight_version,
 )
 
-KEEP_RESPONSES = 10_000  # Responses API ids a later request may continue (previous_response_id)
-
 
 class Gateway:
     """Sessions over one engine: plan each call, generate, record, answer."""
@@ -58,7 +56,6 @@ class Gateway:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.counts: Counter[str] = Counter()  # calls, errors, aborted, tokens, branches by reason
         self.seconds = 0.0  # time spent answering calls
-        self.responses: OrderedDict[str, tuple[str, list[dict[str, Any]]]] = OrderedDict()
         self._open = asyncio.Event()  # cleared while weights are updated: new generations wait
         self._open.set()
         self._generating = 0  # generations in flight
@@ -289,23 +286,10 @@ class Gateway:
         key = session.seed_key if reply == 0 else f"{session.seed_key}#{reply}"
         return request_seed(base, Sample(key, []), plan.branch.index, plan.branch.calls)
 
-    def count_tokens(self, request: ChatRequest) -> int:
-        """The tokens ``request``'s messages take as a fresh prompt (Anthropic's count_tokens)."""
+    def prompt_length(self, request: ChatRequest) -> int:
+        """The tokens ``request``'s messages take as a fresh prompt (a dialect's token count)."""
         session = Session("count", self.encoder, self.parser)
         return len(self._plan(session, request).prompt)
-
-    def remember(self, response_id: str, session: str, messages: list[dict[str, Any]]) -> None:
-        """Keep a Responses API answer's conversation (request and reply) for ``previous_response_id``."""
-        self.responses[response_id] = (session, messages)
-        while len(self.responses) > KEEP_RESPONSES:
-            self.responses.popitem(last=False)
-
-    def history(self, response_id: str) -> tuple[str, list[dict[str, Any]]]:
-        """The session and conversation of an earlier response (404 when unknown)."""
-        if response_id not in self.responses:
-            message = f"previous_response_id {response_id!r} is not a response of this gateway"
-            raise ApiError(404, message, param="previous_response_id")
-        return self.responses[response_id]
 
     def _count(self, plan: Plan, prompt_tokens: int, completion_tokens: int, seconds: float) -> None:
         self.counts["calls"] += 1
