@@ -12,7 +12,7 @@ from pathlib import Path
 from turnrl.record.codec import trajectory_from_json
 from turnrl.record.episode import failed_trajectory
 from turnrl.record.writer import JsonlWriter
-from turnrl.rollout.loop import run_trajectory
+from turnrl.rollout.loop import TURN_LOOP
 from turnrl.rollout.spec import RolloutSpec
 from turnrl.support.errors import describe
 from turnrl.types import Sample, StopReason, Trajectory, as_abortable
@@ -52,9 +52,8 @@ async def iter_trajectories(
     async def one(sample: Sample, index: int) -> list[Trajectory]:
         async with gate:
             try:
-                if spec.runner is not None:  # an agent harness: the branches of one run
-                    return await spec.runner(sample, index, spec)
-                return [await run_trajectory(sample, spec, index)]
+                runner = spec.runner or TURN_LOOP  # an agent harness: the branches of one run
+                return await runner(sample, index, spec)
             except Exception as exc:  # a bug in one trajectory never takes the others down
                 return [
                     failed_trajectory(sample, index, f"internal: {describe(exc)}", StopReason.INTERNAL_ERROR)

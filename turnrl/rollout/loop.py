@@ -18,7 +18,7 @@ from turnrl.rollout.spec import Play, RolloutSpec, TurnHook
 from turnrl.support.errors import describe
 from turnrl.types import Sample, StopReason, Trajectory
 
-__all__ = ["RolloutSpec", "TurnHook", "env_seed", "request_seed", "run_trajectory"]
+__all__ = ["TURN_LOOP", "RolloutSpec", "TurnHook", "TurnLoop", "env_seed", "request_seed", "run_trajectory"]
 
 
 async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 0) -> Trajectory:
@@ -42,6 +42,20 @@ async def run_trajectory(sample: Sample, spec: RolloutSpec, sample_index: int = 
         return ep.fail(StopReason.INTERNAL_ERROR, f"internal: {describe(exc)}")
     finally:
         await env_turns.close(env, spec.limits.env_timeout_s)
+
+
+class TurnLoop:
+    """The turn loop as a ``Runner``: one trajectory per group member (``run_trajectory``), its env
+    from the spec's ``env_factory``; what runs a member when the spec names no runner of its own."""
+
+    async def __call__(self, sample: Sample, index: int, spec: RolloutSpec) -> list[Trajectory]:
+        return [await run_trajectory(sample, spec, index)]
+
+    async def close(self) -> None:
+        """Nothing to stop: each env is closed with its trajectory."""
+
+
+TURN_LOOP = TurnLoop()
 
 
 async def _episode(play: Play) -> Trajectory:

@@ -31,13 +31,13 @@ class RolloutSpec:
     mask_offpolicy: bool = False  # mask (0) model tokens sampled by an older policy than the newest
     inference_contexts: bool = False  # record each turn's context as a chat server would render it
     vocab_size: int | None = None  # sampled ids at or above it end the trajectory as engine_error
-    runner: Runner | None = None  # runs each group member itself instead of the turn loop (a harness)
+    runner: Runner | None = None  # runs each group member (a harness); None: the turn loop, loop.TURN_LOOP
 
 
 class Runner(Protocol):
-    """What runs a group member in place of the turn loop (``turnrl.harness.HarnessRunner`` runs an
-    agent that already exists). It never raises for one member: a failure is a trajectory with its
-    stop reason."""
+    """What runs a group member: the turn loop (``turnrl.rollout.loop.TurnLoop``, the default) or
+    what replaces it (``turnrl.harness.HarnessRunner`` runs an agent that already exists). It never
+    raises for one member: a failure is a trajectory with its stop reason."""
 
     async def __call__(self, sample: Sample, index: int, spec: RolloutSpec) -> list[Trajectory]:
         """Group member ``index`` of ``sample``: its trajectories (an agent run's session branches),
