@@ -45,17 +45,18 @@ done
 rm -rf "$logs"
 [ "$failed" = 0 ] || exit 1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# Three workers (pytest-xdist) on the 2 cores CI has: the suite waits on subprocesses, servers and
-# sockets much of the time, so one worker more than the cores keeps them busy (measured on
-# tests/test_cli.py, test_run_safety.py and test_isolation.py, 2026-12-06: 285 s with two workers,
-# 224 s with three, 230 s with four; 258 s against 443 s for two against one). tests/conftest.py sends
-# them a module at a time, every vLLM module to one worker; tests marked `alone` run with nothing
-# beside them. TURNRL_TEST_WORKERS=0: one process.
-# Several workers on two cores means several processes of torch compute at once, and OpenMP's workers
-# spin between parallel regions by default, each burning the core another needs: OMP_WAIT_POLICY=PASSIVE
+# Two workers (pytest-xdist): the suite waits on subprocesses, servers and sockets about half the
+# time, so two keep both cores busy (measured: 258 s against 443 s on tests/test_cli.py and
+# tests/test_run_safety.py). Three gain on modules that mostly wait (tests/test_cli.py,
+# test_run_safety.py and test_isolation.py: 224 s against 285 s; four: 230 s) but not measurably on the
+# whole suite, whose compute then shares the cores three ways (BENCHMARKS.md, 2026-12-06).
+# tests/conftest.py sends them a module at a time, every vLLM module to one worker; tests marked
+# `alone` run with nothing beside them. TURNRL_TEST_WORKERS=0: one process.
+# Two workers on two cores means two processes of torch compute at once, and OpenMP's workers spin
+# between parallel regions by default, each burning the core the other needs: OMP_WAIT_POLICY=PASSIVE
 # lets them sleep instead (two example rollouts side by side: 82 s each spinning, 46 s passive; one
 # alone: 33 s against 41 s). The test modules outside vLLM's: 4,672 s against 4,342 s (BENCHMARKS.md).
-workers=${TURNRL_TEST_WORKERS:-3}
+workers=${TURNRL_TEST_WORKERS:-2}
 if [ "$workers" != 0 ] && [ "$workers" != 1 ]; then
   export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 fi
