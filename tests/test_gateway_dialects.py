@@ -70,7 +70,9 @@ def test_a_dialect_added_to_the_registry_is_served_and_recorded_like_the_others(
 
 def test_the_responses_memory_is_one_gateways(qwen3_tokenizer: Any, tmp_path: Path) -> None:
     def gateway() -> Gateway:
-        return gateway_for(ScriptedEngine(qwen3_tokenizer, ["One.", "Two."]), qwen3_tokenizer, tmp_path)
+        return gateway_for(
+            ScriptedEngine(qwen3_tokenizer, ["One.", "Two.", "Three."]), qwen3_tokenizer, tmp_path
+        )
 
     first, second = gateway(), gateway()
     body = {"model": "tiny-qwen3", "input": "hi"}
@@ -79,5 +81,7 @@ def test_the_responses_memory_is_one_gateways(qwen3_tokenizer: Any, tmp_path: Pa
         more = {**body, "previous_response_id": answer["id"]}
         again = httpx.post(f"{one}/v1/responses", json=more, timeout=30)
         elsewhere = httpx.post(f"{other}/v1/responses", json=more, timeout=30)
+        under_session = httpx.post(f"{one}/s/{answer['id'][:8]}/v1/responses", json=more, timeout=30)
     assert again.status_code == 200
+    assert under_session.status_code == 200  # one memory at the root and under /s/{session}
     assert elsewhere.status_code == 404 and "previous_response_id" in elsewhere.json()["error"]["message"]

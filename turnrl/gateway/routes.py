@@ -40,9 +40,10 @@ def make_app(gateway: Gateway) -> FastAPI:
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": gateway.model, "object": "model", "owned_by": "turnrl"}]}
 
+    served = dialects(gateway)  # once: a dialect's state (Responses' memory) is the same under every prefix
     for prefix in ("", "/s/{session}"):
         app.get(f"{prefix}/v1/models")(models)
-        for dialect in dialects(gateway):
+        for dialect in served:
             for path in dialect.paths:
                 app.post(f"{prefix}{path}")(_endpoint(gateway, dialect))
     app.get("/metrics")(lambda: PlainTextResponse(gateway.metrics()))
