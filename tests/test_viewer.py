@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from parts import missing
 
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.scripted import Reply, ScriptedEngine, ScriptedReply
@@ -401,9 +402,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
     """One headless Chromium for the module; skipped when there is none, unless CI says it must be."""
     exe = chromium_path()
     if exe is None:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("CI: no chromium found; run scripts/install_browser.sh first")
-        pytest.skip("no chromium (bash scripts/install_browser.sh installs it)")
+        missing("no chromium: bash scripts/install_browser.sh installs it")
     chromium = Chromium(exe, tmp_path_factory.mktemp("browser") / "profile")
     try:
         yield chromium

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import pytest
+from parts import missing
 
 from turnrl.env.builtin.key_lookup import KeyLookupEnv
 from turnrl.testing import ParityEnv
@@ -29,9 +28,7 @@ def need_vllm() -> None:
     try:
         find_vllm_python()
     except EngineError as exc:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-            pytest.fail(f"{exc} (CI is set, so this is a failure)")
-        pytest.skip(str(exc))
+        missing(str(exc))
 
 
 def running(pids: list[int]) -> list[int]:
