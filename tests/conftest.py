@@ -79,6 +79,7 @@ NOT_QUICK = frozenset(
         "test_run_safety",
         "test_sandbox",
         "test_server_engines",
+        "test_tasks",
         "test_template_corpus",
         "test_train_distributed",
         "test_train_learning",

@@ -182,6 +182,31 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _check_tasks(args: argparse.Namespace, console: Console) -> int:
+    from turnrl.tasks import check_tasks, load_tasks
+    from turnrl.tasks.check import check_record, describe_check
+
+    tasks = load_tasks(args.dir)
+    console.print(
+        f"checking {len(tasks)} tasks under {args.dir}: each one's tests untouched, then after its solution"
+    )
+    checks = []
+    out = Path(args.out) if args.out else None
+    for check in check_tasks(tasks, keep=Path(args.keep) if args.keep else None):
+        checks.append(check)
+        console.print(describe_check(check), markup=False, highlight=False, soft_wrap=True)
+        if out is not None:
+            with out.open("a" if len(checks) > 1 else "w", encoding="utf-8") as f:
+                f.write(json.dumps(check_record(check)) + "\n")
+    dropped = [c.task for c in checks if not c.ok]
+    seconds = sum(c.seconds for c in checks)
+    summary = (
+        f"{len(checks)} tasks: {len(checks) - len(dropped)} to keep, {len(dropped)} to drop ({seconds:.1f} s)"
+    )
+    console.print(summary + (f": {', '.join(dropped)}" if dropped else ""), markup=False, highlight=False)
+    return 1 if dropped else 0
+
+
 def _config(args: argparse.Namespace, console: Console) -> int:
     import yaml
     from pydantic import BaseModel
@@ -262,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run's folder (trajectories.jsonl, or a training run's rollouts/ and eval/) or a file",
     )
     check.set_defaults(func=_validate)
+    tasks = sub.add_parser(
+        "check-tasks",
+        help="run each task's solution in the sandbox: its tests must fail without it, pass with it",
+    )
+    tasks.add_argument("dir", help="a task folder (Harbor or SWE-style), or a folder of them")
+    tasks.add_argument("--keep", help="keep each check's folders under this folder (default: removed)")
+    tasks.add_argument("--out", help="also write one JSON line per task here (with the tests' output)")
+    tasks.set_defaults(func=_check_tasks)
     demo = sub.add_parser(
         "demo-model", help="build smollm2-135m-play: SmolLM2 warm-started on the example envs (offline)"
     )

@@ -1,5 +1,6 @@
 """A toy repository task for a coding agent under ``turnrl train``: make ``test_calc.py`` pass in a
-copy of ``calc_repo/``. The reward runs the test in the folder the agent worked in."""
+copy of ``examples/tasks/train/calc-repo/repo/`` (the SWE-style task calc-repo). The reward runs the
+test in the folder the agent worked in."""
 
 from __future__ import annotations
 

@@ -167,7 +167,9 @@ async def run_agent(
     waited: Callable[[int], Awaitable[int]]
     # a forked run's pid is of its server's PID namespace: the server signals it
     signal_run: Callable[[int, int, bool], None] = signal_process
-    python = forkable(launch.command) if forks and launch.sandboxed == (forks.sandbox is not None) else None
+    # forked only into the same kind of place: a sandbox the fork server can enter, or none
+    same = forks is not None and launch.sandboxed == (forks.sandbox is not None)
+    python = forkable(launch.command) if same and (launch.forked or not launch.sandboxed) else None
     try:
         if forks is not None and python is not None:
             out.write_bytes(b"")

@@ -7,6 +7,10 @@ Two runtimes ship: ``BubblewrapRuntime`` (``turnrl.harness.sandbox``, the defaul
 kills whatever the agent left behind. A container or a remote sandbox plugs in as another
 ``Runtime``: its ``launch`` gives the command that runs ``argv`` in the run's folder there (for
 example ``podman exec`` into the run's container), its ``close`` frees what a run held.
+
+A ``View`` places the run's folder and more folders at paths of the task's choosing inside the run
+(a Harbor task's working directory ``/app``, its tests at ``/tests``, ``/logs/verifier``): a
+sandbox or a container honours it; plain processes cannot (``LocalRuntime`` refuses one).
 """
 
 from __future__ import annotations
@@ -19,6 +23,28 @@ from pathlib import Path
 from typing import Any, Protocol
 
 KEEPER = str(Path(__file__).with_name("keeper.py"))
+NO_VIEW = (
+    "env.sandbox: none runs plain processes, which cannot see the run's folder at {workdir}: a task"
+    " needs the bubblewrap sandbox (apt-get install bubblewrap) or a container runtime"
+)
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host folder shown inside a run at another path."""
+
+    host: Path
+    inside: str  # an absolute path
+    writable: bool = False
+
+
+@dataclass(frozen=True)
+class View:
+    """Where a run's folder appears inside it (its commands start there), and what else it sees."""
+
+    workdir: str  # an absolute path
+    binds: tuple[Bind, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # variables of the place (a Dockerfile's ENV), under the run's
 
 
 @dataclass
@@ -46,9 +72,11 @@ class Runtime(Protocol):
         env: dict[str, str],
         read_only: Sequence[Path] = (),
         gateway: bool = True,
+        view: View | None = None,
     ) -> Launch:
         """How to run ``argv`` in ``folder`` with ``env`` (``read_only``: files it may read;
-        ``gateway``: whether it reaches the run's gateway)."""
+        ``gateway``: whether it reaches the run's gateway; ``view``: ``folder`` and more at other
+        paths inside, where the runtime can place them)."""
 
 
 class LocalRuntime:
@@ -64,8 +92,11 @@ class LocalRuntime:
         env: dict[str, str],
         read_only: Sequence[Path] = (),
         gateway: bool = True,
+        view: View | None = None,
     ) -> Launch:
         """``argv`` under the keeper, with turnrl's variables and ``env`` on top."""
+        if view is not None:
+            raise RuntimeError(NO_VIEW.format(workdir=view.workdir))
         return Launch(list(argv), keeper_argv(argv), {**os.environ, **env}, folder)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from turnrl.config import SandboxConfig
 from turnrl.harness.cgroup import RunCgroup, cgroup_roots
-from turnrl.harness.runtime import Launch, keeper_argv
+from turnrl.harness.runtime import Launch, View, keeper_argv
 from turnrl.tools.sandbox import SYSTEM_DIRS, SYSTEM_FILES
 
 log = logging.getLogger(__name__)
@@ -100,9 +100,12 @@ class BubblewrapRuntime:
         env: dict[str, str],
         read_only: Sequence[Path] = (),
         gateway: bool = True,
+        view: View | None = None,
     ) -> Launch:
-        """``argv`` in ``folder`` inside a new sandbox (``gateway``: bridged to the run's gateway);
-        ``Launch.forked`` says what the same sandbox is for a run the fork server forks."""
+        """``argv`` in ``folder`` inside a new sandbox (``gateway``: bridged to the run's gateway;
+        ``view``: ``folder`` at its working directory, and its binds); ``Launch.forked`` says what
+        the same sandbox is for a run the fork server forks (none with a view: such a run starts
+        as a new process)."""
         bridge = self.gateway if gateway and self.config.network == "gateway" else None
         cgroup = RunCgroup.make(self.config.max_processes)
         capped = cgroup is not None and cgroup.limited
@@ -115,10 +118,13 @@ class BubblewrapRuntime:
             options += ["--cgroup", CGROUP_PROCS.format(i)]
         if bridge is not None:
             options += ["--bridge", str(bridge[0]), GATEWAY_SOCKET]
-        mounts = self._mounts(folder, read_only, bridge, cgroup)
+        mounts = self._mounts(folder, read_only, bridge, cgroup, view)
         close = cgroup.close if cgroup is not None else (lambda: None)
         argv_in = [*mounts, "--", *keeper_argv(argv, options)]
-        launch = Launch(list(argv), argv_in, self.variables(env), folder, close=close, sandboxed=True)
+        variables = self.variables({**dict(view.env if view else ()), **env})
+        launch = Launch(list(argv), argv_in, variables, folder, close=close, sandboxed=True)
+        if view is not None:
+            return launch
         roots = cgroup_roots()
         launch.forked = {
             "folder": str(folder),
@@ -175,18 +181,22 @@ class BubblewrapRuntime:
         read_only: Sequence[Path],
         bridge: tuple[int, Path] | None,
         cgroup: RunCgroup | None,
+        view: View | None = None,
     ) -> list[str]:
         """bwrap's arguments: namespaces, then what the run sees (see the module doc)."""
         cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
         cmd += self._view()
-        cmd += ["--bind", str(folder), str(folder)]
+        workdir = view.workdir if view is not None else str(folder)
+        cmd += ["--bind", str(folder), workdir]
+        for bind in view.binds if view is not None else ():
+            cmd += ["--bind" if bind.writable else "--ro-bind", str(bind.host), bind.inside]
         for file in read_only:
             cmd += ["--ro-bind", str(file), str(file)]
         if bridge is not None:
             cmd += ["--ro-bind", str(bridge[1]), GATEWAY_SOCKET]
         for i, procs in enumerate(cgroup.procs if cgroup is not None else ()):
             cmd += ["--bind", procs, CGROUP_PROCS.format(i)]  # the keeper joins before the agent starts
-        return [*cmd, "--remount-ro", "/", "--chdir", str(folder)]
+        return [*cmd, "--remount-ro", "/", "--chdir", workdir]
 
     def _view(self) -> list[str]:
         """What every sandbox sees: its network, /proc, /dev, a private /tmp and home, the system

@@ -1,0 +1,2 @@
+def largest(xs):
+    return min(xs)
