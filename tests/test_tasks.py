@@ -159,7 +159,7 @@ def test_the_dockerfile_places_its_files_and_variables_in_the_run(tmp_path: Path
     task = load_task(write_task(tmp_path, "placed", tests=PASS, dockerfile=dockerfile, files=files))
     assert task.workdir == "/srv/app" and task.base_image == "python:3.11-slim"
     assert task.env == {"VERSION": "3", "GREETING": "hi there", "MODE": "v3"}
-    run = Workspace(task, tmp_path / "run", sandbox(tmp_path))
+    run = Workspace.in_runtime(task, tmp_path / "run", sandbox(tmp_path))
     folder = run.prepare()
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
         "data/a.txt",
@@ -175,7 +175,7 @@ def test_a_run_sees_its_folder_at_the_workdir_and_never_the_tests_or_the_solutio
     reward = "/logs/verifier/reward.txt"
     tests = f"touch /tests/x 2>/dev/null && echo 0 > {reward} || echo 1 > {reward}\n"  # read-only: 1
     task = load_task(write_task(tmp_path, "seen", tests=tests, solution="echo solved > /app/s.txt\n"))
-    run = Workspace(task, tmp_path / "run", sandbox(tmp_path))
+    run = Workspace.in_runtime(task, tmp_path / "run", sandbox(tmp_path))
     folder = run.prepare()
     agent = run.run(
         "pwd; ls /tests /solution 2>&1 | head -2; touch /etc/x 2>&1 | tail -1; touch made.txt;"
@@ -195,7 +195,7 @@ def test_a_verifier_past_its_timeout_scores_zero_and_says_why(tmp_path: Path) ->
     task = load_task(
         write_task(tmp_path, "slow", tests="sleep 60\n" + PASS, toml="[verifier]\ntimeout_sec = 1\n")
     )
-    run = Workspace(task, tmp_path / "run", sandbox(tmp_path))
+    run = Workspace.in_runtime(task, tmp_path / "run", sandbox(tmp_path))
     run.prepare()
     verdict = run.verify()
     assert verdict.reward == 0.0 and verdict.why == "the tests ran past 1 s" and verdict.seconds < 20
@@ -204,7 +204,7 @@ def test_a_verifier_past_its_timeout_scores_zero_and_says_why(tmp_path: Path) ->
 def test_a_swe_style_task_is_rewarded_by_its_test_commands_exit_code(tmp_path: Path) -> None:
     task = load_task(SHIPPED / "train" / "calc-repo")
     assert task.workdir == "/app" and task.test_command == "python3 test_calc.py"
-    run = Workspace(task, tmp_path / "run", sandbox(tmp_path))
+    run = Workspace.in_runtime(task, tmp_path / "run", sandbox(tmp_path))
     folder = run.prepare()
     assert run.verify().reward == 0.0 and "NotImplementedError" in run.verify().output
     (folder / "calc.py").write_text("def add(a, b):\n    return a + b\n")
@@ -252,3 +252,39 @@ def test_plain_processes_cannot_place_a_task(tmp_path: Path) -> None:
         RuntimeError, match="cannot see the run's folder at /app: a task needs the bubblewrap"
     ):
         LocalRuntime().launch(["true"], tmp_path, {}, view=View("/app"))
+
+
+def test_an_agent_on_task_rows_works_at_the_tasks_path_and_is_rewarded_by_its_tests(tmp_path: Path) -> None:
+    """`turnrl rollout` with a harness on the shipped training tasks: each run's folder is its task's,
+    shown at /app without the tests or the solution; the reward is the task's own tests, run after
+    the agent in its sandbox. The test agent writes hello.txt whatever the model says, which solves
+    create-file and nothing else."""
+    out = tmp_path / "out"
+    config = {
+        "model": "tiny-qwen3",
+        "env": {
+            "kind": "harness",
+            "command": ["python", str(REPO / "tests" / "harness_agents" / "task_agent.py"), "{prompt}"],
+            "reward": "turnrl.tasks:reward",
+            "keep_folders": True,
+        },
+        "data": {"generator": "turnrl.tasks:rows", "kwargs": {"path": str(SHIPPED / "train")}},
+        "sampling": {"max_tokens": 4},
+        "rollout": {"group_size": 1},
+        "output_dir": str(out),
+    }
+    (tmp_path / "tasks.yaml").write_text(json.dumps(config))
+    done = turnrl("rollout", str(tmp_path / "tasks.yaml"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    rewards = {t["group_id"]: t["reward"] for t in trajs}
+    assert rewards == {t.name: float(t.name == "create-file") for t in load_tasks(SHIPPED / "train")}
+    for t in trajs:
+        task = load_task(SHIPPED / "train" / t["group_id"])
+        assert t["stop_reason"] == "agent_done" and [c["command"][-1] for c in t["run"]["commands"]] == [
+            task.test_command
+        ]
+    [kept] = (out / "harness").glob("create-file-*")
+    seen = json.loads((kept / "work" / "seen.json").read_text())
+    assert seen == {"cwd": "/app", "files": ["README", "hello.txt"], "tests": False, "solution": False}
+    assert (kept / "logs" / "verifier" / "output.txt").read_text().startswith("reward 1\n")

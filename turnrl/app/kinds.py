@@ -74,11 +74,12 @@ class HarnessEnv:
         the first run on)."""
         try:
             from turnrl.harness import HarnessRunner
+            from turnrl.tasks import place as task_place  # a row that is a task: its folder and view
         except ImportError as exc:
             needs = "env.kind harness serves a gateway: pip install 'turnrl[gateway]'"
             raise RunError(f"{needs} ({exc})") from None
         gateway = harness_gateway(self.env, spec.engine, spec.encoder, model, out_dir)
-        runner = HarnessRunner(self.env, gateway, out_dir)
+        runner = HarnessRunner(self.env, gateway, out_dir, places=task_place)
         return dataclasses.replace(spec, runner=runner)
 
 

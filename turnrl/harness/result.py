@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.harness.process import CommandResult
+from turnrl.harness.runtime import View
 from turnrl.types import Message, Sample, Trajectory
 
 HarnessRewardFn = Callable[[Sample, "HarnessResult"], Any]
-CommandRunner = Callable[[list[str], float], CommandResult]
+CommandRunner = Callable[[list[str], float, View | None], CommandResult]
 
 
 @dataclass
@@ -29,14 +30,17 @@ class HarnessResult:
     runner: CommandRunner | None = field(default=None, repr=False)  # the run's runtime, for ``run``
     commands: list[dict[str, Any]] = field(default_factory=list)  # what ``run`` ran, kept with the run
 
-    def run(self, command: str | list[str], timeout_s: float = 600.0) -> CommandResult:
+    def run(
+        self, command: str | list[str], timeout_s: float = 600.0, view: View | None = None
+    ) -> CommandResult:
         """Run ``command`` (a shell line, or an argv) in the run's folder, in the run's sandbox (as the
-        agent ran: the same view, limits and no network), after the agent ended: a task's tests.
-        Blocking (the reward runs in a thread of its own); everything it starts ends with it."""
+        agent ran: the same view, limits and no network; ``view``: another one, a task's tests
+        shown), after the agent ended. Blocking (the reward runs in a thread of its own); everything
+        it starts ends with it."""
         if self.runner is None:
             raise RuntimeError("this result has no runtime to run commands in")
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-        result = self.runner(argv, timeout_s)
+        result = self.runner(argv, timeout_s, view)
         self.commands.append(
             {"command": command, "exit_code": result.exit_code, "seconds": round(result.seconds, 3)}
         )

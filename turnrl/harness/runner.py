@@ -33,7 +33,7 @@ from turnrl.gateway.serving import GatewayServer, serve
 from turnrl.harness.forkserver import ForkServer
 from turnrl.harness.process import CommandResult, Exit, argv_for, run_agent, run_command
 from turnrl.harness.result import HarnessResult
-from turnrl.harness.runtime import LocalRuntime, Runtime
+from turnrl.harness.runtime import LocalRuntime, Place, PlaceFor, Runtime, View
 from turnrl.harness.sandbox import BubblewrapRuntime
 from turnrl.harness.scoring import Scoring, as_member
 from turnrl.record.episode import failed_trajectory
@@ -52,10 +52,14 @@ UNSANDBOXED = (
 class HarnessRunner:
     """Runs the agent of ``config``, its model calls answered by ``gateway``, served on loopback."""
 
-    def __init__(self, config: HarnessConfig, gateway: Gateway, out_dir: Path) -> None:
+    def __init__(
+        self, config: HarnessConfig, gateway: Gateway, out_dir: Path, places: PlaceFor | None = None
+    ) -> None:
         """``gateway`` serves the runs' sessions: sealed (each answers its own key only), its engine
-        the rollout's; ``out_dir`` the run's output folder (kept runs' folders go under it)."""
+        the rollout's; ``out_dir`` the run's output folder (kept runs' folders go under it);
+        ``places`` gives a run whose row is a task its folder, view and time limit."""
         self.config = config
+        self.places = places
         self.gateway = gateway
         self.scoring = Scoring(config)
         self.setup = import_object(config.setup, "env.setup") if config.setup else None
@@ -124,11 +128,15 @@ class HarnessRunner:
         # trajectory has them (the run repeats)
         self.gateway.open_session(name, key, spec.engine, spec.sampling, seed_key=f"{sample.id}/{index}")
         try:
-            self._prepare(sample, run_dir, folder)
-            variables = self._environment(await self.url(), name, key, run_dir, folder)
+            place = self.places(sample, run_dir) if self.places is not None else None
+            self._prepare(sample, run_dir, folder, place)
+            view = place.view() if place is not None else None
+            inside = view.workdir if view is not None else str(folder)
+            variables = self._environment(await self.url(), name, key, run_dir, inside)
             argv = argv_for(self.config.command, _prompt(sample))
-            launch = self.runtime.launch(argv, folder, variables, [run_dir / "sample.json"])
-            exit = await run_agent(launch, run_dir / "agent", self.config.timeout_s, self.forks)
+            launch = self.runtime.launch(argv, folder, variables, [run_dir / "sample.json"], view=view)
+            timeout = place.timeout_s if place is not None else self.config.timeout_s
+            exit = await run_agent(launch, run_dir / "agent", timeout, self.forks)
             return await self._score(sample, index, name, exit, folder, run_dir)
         except Exception as exc:  # the folder or the setup hook failed: the run did not happen
             error = f"the harness run could not start: {describe(exc)}"
@@ -138,11 +146,13 @@ class HarnessRunner:
             if not self.config.keep_folders:
                 shutil.rmtree(run_dir, ignore_errors=True)
 
-    def _prepare(self, sample: Sample, run_dir: Path, folder: Path) -> None:
-        """The run's folder (a copy of ``env.folder``, or empty), prepared by ``env.setup``; the row
-        beside it as JSON."""
+    def _prepare(self, sample: Sample, run_dir: Path, folder: Path, place: Place | None) -> None:
+        """The run's folder (its place's, a copy of ``env.folder``, or empty), prepared by
+        ``env.setup``; the row beside it as JSON."""
         run_dir.mkdir(parents=True)
-        if self.config.folder:
+        if place is not None:
+            place.prepare()
+        elif self.config.folder:
             shutil.copytree(self.config.folder, folder, symlinks=True)
         else:
             folder.mkdir()
@@ -151,7 +161,7 @@ class HarnessRunner:
         if self.setup is not None:
             self.setup(sample, folder)
 
-    def _environment(self, url: str, name: str, key: str, run_dir: Path, folder: Path) -> dict[str, str]:
+    def _environment(self, url: str, name: str, key: str, run_dir: Path, folder: str) -> dict[str, str]:
         """``env.env`` (``{openai_base_url}``, ``{anthropic_base_url}``, ``{api_key}``, ``{folder}``
         filled in), and the session's URL and secret key for every client (the runtime adds the
         variables of this process a run gets: all of them unsandboxed, a few in a sandbox)."""
@@ -159,7 +169,7 @@ class HarnessRunner:
             "openai_base_url": f"{url}/s/{name}/v1",
             "anthropic_base_url": f"{url}/s/{name}",
             "api_key": key,
-            "folder": str(folder),
+            "folder": folder,
         }
         own = {k: value.format(**fill) for k, value in self.config.env.items()}
         session = {
@@ -182,13 +192,16 @@ class HarnessRunner:
         result = HarnessResult(
             branches, exit.code, exit.timed_out, exit.stdout, exit.stderr, folder, session.calls
         )
-        result.runner = lambda argv, timeout: self._command(argv, folder, run_dir, timeout)
+        result.runner = lambda argv, timeout, view: self._command(argv, folder, run_dir, timeout, view)
         return await self.scoring.score(sample, index, exit, result, session.over_budget)
 
-    def _command(self, argv: list[str], folder: Path, run_dir: Path, timeout: float) -> CommandResult:
+    def _command(
+        self, argv: list[str], folder: Path, run_dir: Path, timeout: float, view: View | None = None
+    ) -> CommandResult:
         """A reward's command, run in the run's folder as the agent ran (no gateway to call)."""
         variables = {"TURNRL_SAMPLE": str(run_dir / "sample.json")}
-        launch = self.runtime.launch(argv, folder, variables, [run_dir / "sample.json"], gateway=False)
+        sample = [run_dir / "sample.json"]
+        launch = self.runtime.launch(argv, folder, variables, sample, gateway=False, view=view)
         return run_command(launch, timeout)
 
 

@@ -47,6 +47,26 @@ class View:
     env: tuple[tuple[str, str], ...] = ()  # variables of the place (a Dockerfile's ENV), under the run's
 
 
+class Place(Protocol):
+    """Where one run works, when its data row decides it (a task of ``turnrl.tasks``): its folder,
+    made by ``prepare``, the view its agent sees, and how long the agent may take."""
+
+    folder: Path
+
+    @property
+    def timeout_s(self) -> float:
+        """The agent's time limit."""
+
+    def prepare(self) -> Path:
+        """Make the run's folder; returns it."""
+
+    def view(self) -> View:
+        """What the agent sees: the folder at the task's working directory, and more."""
+
+
+PlaceFor = Callable[[Any, Path], "Place | None"]  # (sample, run folder) -> the run's place, None: env.folder
+
+
 @dataclass
 class Launch:
     """A command ready to start: what runs, with which variables, how it is limited, what to free."""

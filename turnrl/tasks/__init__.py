@@ -4,6 +4,7 @@ check-tasks`` (``check_tasks``)."""
 
 from turnrl.tasks.check import TaskCheck, check_task, check_tasks
 from turnrl.tasks.dockerfile import Dockerfile, TaskError
+from turnrl.tasks.harness import place, reward
 from turnrl.tasks.task import Task, load_task, load_tasks, rows
 from turnrl.tasks.workspace import Verdict, Workspace, read_reward
 
@@ -18,6 +19,8 @@ __all__ = [
     "check_tasks",
     "load_task",
     "load_tasks",
+    "place",
     "read_reward",
+    "reward",
     "rows",
 ]

@@ -49,12 +49,12 @@ def check_task(task: Task, root: Path, runtime: Callable[[Task, Path], Runtime] 
     try:
         box = runtime(task, root)
         shutil.rmtree(root / task.name, ignore_errors=True)  # a kept check of an earlier call
-        first = Workspace(task, root / task.name / "untouched", box)
+        first = Workspace.in_runtime(task, root / task.name / "untouched", box)
         first.prepare()
         untouched = first.verify()
         if task.solution is None:
             return _done(task, untouched, None, 0.0, "no solution/solve.sh to check the tests with", t0)
-        second = Workspace(task, root / task.name / "solved", box)
+        second = Workspace.in_runtime(task, root / task.name / "solved", box)
         second.prepare()
         solve = second.solve()
         solve_seconds = solve.seconds

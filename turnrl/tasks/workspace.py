@@ -12,12 +12,24 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from turnrl.harness.process import CommandResult, run_command
 from turnrl.harness.runtime import Bind, Runtime, View
 from turnrl.tasks.task import LOGS, REWARD_FILES, SOLUTION, TESTS, Task
+
+Run = Callable[[list[str], float, View], CommandResult]  # (argv, timeout, view): run it in the run
+
+
+def in_runtime(runtime: Runtime, folder: Path) -> Run:
+    """How a run's commands run in ``runtime``, in ``folder`` (no gateway to call)."""
+
+    def run(argv: list[str], timeout: float, view: View) -> CommandResult:
+        return run_command(runtime.launch(argv, folder, {}, gateway=False, view=view), timeout)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -36,14 +48,26 @@ class Verdict:
 
 
 class Workspace:
-    """The folder of one run of ``task`` under ``run_dir``, and its commands in ``runtime``."""
+    """The folder of one run of ``task`` under ``run_dir`` (``run_dir/work``, its logs in
+    ``run_dir/logs``), and its commands, run by ``run`` (``in_runtime``; a harness run's own: its
+    ``HarnessResult.run``). A harness ``Place``: what an agent sees of a task."""
 
-    def __init__(self, task: Task, run_dir: Path, runtime: Runtime) -> None:
+    def __init__(self, task: Task, run_dir: Path, run: Run | None = None) -> None:
         self.task = task
         self.run_dir = run_dir
-        self.runtime = runtime
         self.folder = run_dir / "work"
         self.logs = run_dir / "logs"
+        self._run = run
+
+    @classmethod
+    def in_runtime(cls, task: Task, run_dir: Path, runtime: Runtime) -> Workspace:
+        """A workspace whose commands run in ``runtime``."""
+        return cls(task, run_dir, in_runtime(runtime, run_dir / "work"))
+
+    @property
+    def timeout_s(self) -> float:
+        """The agent's time limit: the task's."""
+        return self.task.agent_timeout_s
 
     def prepare(self) -> Path:
         """The run's folder, made from the task's files (its Dockerfile's copies, or the
@@ -68,7 +92,8 @@ class Workspace:
             binds.append(Bind(self.task.tests, TESTS))
         if solution and self.task.solution is not None:
             binds.append(Bind(self.task.solution.parent, SOLUTION))
-        return View(self.task.workdir, tuple(binds), tuple(self.task.env.items()))
+        variables = {**self.task.env, **(self.task.verifier_env if tests else {})}
+        return View(self.task.workdir, tuple(binds), tuple(variables.items()))
 
     def run(
         self,
@@ -76,13 +101,11 @@ class Workspace:
         timeout: float,
         tests: bool = False,
         solution: bool = False,
-        env: dict[str, str] | None = None,
     ) -> CommandResult:
-        """``bash -c command`` in the run's folder, in the runtime, for at most ``timeout`` s."""
-        launch = self.runtime.launch(
-            ["bash", "-c", command], self.folder, env or {}, gateway=False, view=self.view(tests, solution)
-        )
-        return run_command(launch, timeout)
+        """``bash -c command`` in the run's folder, for at most ``timeout`` s."""
+        if self._run is None:
+            raise RuntimeError(f"this workspace of task {self.task.name} has nothing to run commands with")
+        return self._run(["bash", "-c", command], timeout, self.view(tests, solution))
 
     def solve(self) -> CommandResult:
         """The task's own solution run in the folder (within the agent's timeout)."""
@@ -97,9 +120,7 @@ class Workspace:
         code (SWE-style: 1.0 when 0)."""
         for name in REWARD_FILES:
             (self.logs / "verifier" / name).unlink(missing_ok=True)
-        done = self.run(
-            self.task.test_command, self.task.verifier_timeout_s, tests=True, env=self.task.verifier_env
-        )
+        done = self.run(self.task.test_command, self.task.verifier_timeout_s, tests=True)
         output = (done.stdout + done.stderr)[-4000:]
         if done.timed_out:
             return Verdict(
