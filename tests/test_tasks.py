@@ -254,13 +254,9 @@ def test_plain_processes_cannot_place_a_task(tmp_path: Path) -> None:
         LocalRuntime().launch(["true"], tmp_path, {}, view=View("/app"))
 
 
-def test_an_agent_on_task_rows_works_at_the_tasks_path_and_is_rewarded_by_its_tests(tmp_path: Path) -> None:
-    """`turnrl rollout` with a harness on the shipped training tasks: each run's folder is its task's,
-    shown at /app without the tests or the solution; the reward is the task's own tests, run after
-    the agent in its sandbox. The test agent writes hello.txt whatever the model says, which solves
-    create-file and nothing else."""
-    out = tmp_path / "out"
-    config = {
+def agent_config(out: Path) -> dict[str, object]:
+    """A harness on the shipped training tasks, its agent tests/harness_agents/task_agent.py."""
+    return {
         "model": "tiny-qwen3",
         "env": {
             "kind": "harness",
@@ -273,6 +269,25 @@ def test_an_agent_on_task_rows_works_at_the_tasks_path_and_is_rewarded_by_its_te
         "rollout": {"group_size": 1},
         "output_dir": str(out),
     }
+
+
+def test_task_rows_need_the_sandbox(tmp_path: Path) -> None:
+    config = agent_config(tmp_path / "out")
+    config["env"]["sandbox"] = "none"  # type: ignore[index]
+    (tmp_path / "tasks.yaml").write_text(json.dumps(config))
+    done = turnrl("rollout", str(tmp_path / "tasks.yaml"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "is a task, which runs at its own path (/app) in a sandbox: drop env.sandbox: none" in done.stderr
+    assert not (tmp_path / "out" / "trajectories.jsonl").exists()
+
+
+def test_an_agent_on_task_rows_works_at_the_tasks_path_and_is_rewarded_by_its_tests(tmp_path: Path) -> None:
+    """`turnrl rollout` with a harness on the shipped training tasks: each run's folder is its task's,
+    shown at /app without the tests or the solution; the reward is the task's own tests, run after
+    the agent in its sandbox. The test agent writes hello.txt whatever the model says, which solves
+    create-file and nothing else."""
+    out = tmp_path / "out"
+    config = agent_config(out)
     (tmp_path / "tasks.yaml").write_text(json.dumps(config))
     done = turnrl("rollout", str(tmp_path / "tasks.yaml"))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -106,3 +106,7 @@ def check_harness(env: HarnessConfig, samples: Sequence[Sample]) -> None:
             import_object(hook, what)
     if env.folder and not Path(env.folder).is_dir():
         raise RunError(f"env.folder {env.folder!r} is not a folder")
+    tasks = [s.id for s in samples if isinstance(s.metadata, dict) and s.metadata.get("task")]
+    if tasks and env.sandbox == "none":  # plain processes cannot see the folder at the task's path
+        why = "runs at its own path (/app) in a sandbox: drop env.sandbox: none"
+        raise RunError(f"row {tasks[0]} is a task, which {why}")
