@@ -185,6 +185,7 @@ def test_a_run_sees_its_folder_at_the_workdir_and_never_the_tests_or_the_solutio
     lines = agent.stdout.splitlines()
     assert lines[0] == "/app" and all("No such file or directory" in line for line in lines[1:3]), lines
     assert "Read-only file system" in lines[3]
+    assert run.run("ls /logs", timeout=30).stdout.split() == ["agent"]  # not the verifier's folder
     assert (folder / "made.txt").is_file() and (run.logs / "agent" / "note.txt").read_text() == "note\n"
     assert run.solve().ok and (folder / "s.txt").read_text() == "solved\n"
     verdict = run.verify()  # the tests see /tests, read-only

@@ -3,9 +3,9 @@
 reward.
 
 Inside the run, as in the task's container: the run's folder at the task's working directory
-(``/app``), its logs at ``/logs`` (``/logs/verifier`` for the reward file, ``/logs/agent``), the
-task's tests at ``/tests`` for the test command only and its solution at ``/solution`` for
-``turnrl check-tasks`` only: an agent never sees either."""
+(``/app``), ``/logs/agent``, and for the test command only ``/logs/verifier`` (the reward file)
+and the task's tests at ``/tests``; its solution at ``/solution`` for ``turnrl check-tasks`` only:
+an agent never sees the tests, the solution or the verifier's folder."""
 
 from __future__ import annotations
 
@@ -87,7 +87,11 @@ class Workspace:
     def view(self, tests: bool = False, solution: bool = False) -> View:
         """The run as its commands see it: the folder at the task's working directory, the logs,
         and the tests or the solution when asked for."""
-        binds = [Bind(self.logs, LOGS, writable=True)]
+        # only the test command sees /logs/verifier: an agent that could write there could plant a
+        # reward, or a link that the host would follow when it reads the reward back
+        binds = [Bind(self.logs / "agent", f"{LOGS}/agent", writable=True)]
+        if tests:
+            binds.append(Bind(self.logs / "verifier", f"{LOGS}/verifier", writable=True))
         if tests and self.task.tests is not None:
             binds.append(Bind(self.task.tests, TESTS))
         if solution and self.task.solution is not None:
