@@ -29,6 +29,7 @@ JOBS=${JOBS:-$(nproc)}
 
 if [ -x "$DEST/bin/llama-server" ] && [ "$(cat "$DEST/VERSION" 2>/dev/null)" = "$VERSION $CPU" ]; then
   echo "llama-server (llama-cpp-python $VERSION sources) is installed in $DEST"
+  [ -z "${TURNRL_SERVER_SOURCES_READY:-}" ] || touch "$TURNRL_SERVER_SOURCES_READY"
   exit 0
 fi
 
@@ -52,6 +53,10 @@ if [ ! -f "$SRC/.extracted" ]; then
   rm -f "$SRC/.git" # a submodule link to a repository that is not there
   touch "$SRC/.extracted"
 fi
+# the sources (the converter, the vocabularies under src/models) are usable before the compile ends:
+# TURNRL_SERVER_SOURCES_READY names a file made once they are (scripts/test.sh starts the tests then)
+ln -sfn "src-$VERSION" "$DEST/src"
+[ -z "${TURNRL_SERVER_SOURCES_READY:-}" ] || touch "$TURNRL_SERVER_SOURCES_READY"
 
 # CPU only, one static binary; no web UI (its prebuilt assets would be downloaded), no TLS;
 # the build-info step gets no git (GIT_EXECUTABLE=/bin/false: the version reads "unknown").
@@ -65,7 +70,6 @@ nice cmake --build "$BUILD" --target llama-server -j "$JOBS" >"$DEST/build.log" 
 mkdir -p "$DEST/bin"
 cp "$BUILD/bin/llama-server" "$DEST/bin/llama-server.new"
 mv "$DEST/bin/llama-server.new" "$DEST/bin/llama-server"
-ln -sfn "src-$VERSION" "$DEST/src"
 echo "$VERSION $CPU" >"$DEST/VERSION"
 rm -rf "$BUILD" "$SDIST" # the binary and the sources are all that is used from here on
 echo "llama-server installed: $DEST/bin/llama-server"

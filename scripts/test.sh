@@ -9,12 +9,13 @@ export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=s
 # (llama.cpp's compile, about 10 minutes on 2 cores, the longest; vLLM's virtualenv; Chromium,
 # bubblewrap, the Codex CLI) start with setup.sh, the others once it is done. Each writes its log
 # and, once ended, its exit status and seconds into a folder of its own; apt_install.sh serializes
-# the ones that need apt. The tests start when all have ended (they share two cores with nothing
-# else: the tests that time themselves or count the free CPUs ask for that); each log is printed
-# in this order with its time, and any that failed fails the run, its log on stderr.
+# the ones that need apt. The tests start when all but llama.cpp's compile have ended; that compile
+# goes on beside them at the lowest priority (nice 19: it takes only the CPU the tests leave, and
+# turnrl's own count of free CPUs leaves niced work out), and the tests that run llama-server wait
+# for it (tests/parts.py). Each log is printed in this order with its time, and any that failed
+# fails the run, its log on stderr.
 parts=$(mktemp -d)
 names=(
-  install_server     # llama.cpp's llama-server built from source, for the server tests
   install_vllm       # vLLM's own virtualenv (CPU build), for the real vLLM tests
   install_browser    # Debian's chromium, for the viewer's browser tests
   install_sandbox    # bubblewrap, for the code-execution sandbox's tests
@@ -22,6 +23,7 @@ names=(
   check_python_floor # the pins install on the oldest Python the README promises
   lint               # lint, format check, types, the docs site
 )
+beside_tests=install_server # llama.cpp's llama-server built from source, for the server tests
 start() { # start NAME COMMAND...: NAME's log, then "<exit status> <seconds>" in NAME.done once it ends
   local name=$1
   shift
@@ -48,35 +50,42 @@ await() { # await NAME...: until each has ended
     while [ ! -f "$parts/$name.done" ]; do sleep 1; done
   done
 }
+report() { # report NAME...: each one's log and time; 1 if any failed
+  local failed=0 name rc seconds
+  for name in "$@"; do
+    read -r rc seconds <"$parts/$name.done"
+    if [ "$rc" = 0 ]; then
+      cat "$parts/$name.log"
+      echo "test.sh: $name done in $seconds s"
+    else
+      cat "$parts/$name.log" >&2
+      echo "test.sh: $name failed (exit $rc, $seconds s)" >&2
+      failed=1
+    fi
+  done
+  return "$failed"
+}
 PY=${PYTHON:-python3}
 # llama.cpp's compile needs no .venv: it starts first, its sources fetched by the system pip, the
 # converter's packages left to setup.sh; without a system pip it starts after setup.sh
+server=(nice -n 19 env TURNRL_SERVER_SOURCES_READY="$parts/install_server.sources")
 early_server=0
 if "$PY" -m pip --version >/dev/null 2>&1; then
   early_server=1
-  start install_server env TURNRL_SERVER_PYTHON="$PY" TURNRL_SERVER_DEPS=0 bash scripts/install_server.sh
+  start install_server "${server[@]}" TURNRL_SERVER_PYTHON="$PY" TURNRL_SERVER_DEPS=0 bash scripts/install_server.sh
 fi
 for name in install_vllm install_browser install_sandbox install_agents; do
   start "$name" bash "scripts/$name.sh"
 done
 bash scripts/setup.sh
-[ "$early_server" = 1 ] || start install_server bash scripts/install_server.sh
+[ "$early_server" = 1 ] || start install_server "${server[@]}" bash scripts/install_server.sh
 start check_python_floor bash scripts/check_python_floor.sh
 start lint bash scripts/lint.sh
 await "${names[@]}"
-failed=0
-for name in "${names[@]}"; do
-  read -r rc seconds <"$parts/$name.done"
-  if [ "$rc" = 0 ]; then
-    cat "$parts/$name.log"
-    echo "test.sh: $name done in $seconds s"
-  else
-    cat "$parts/$name.log" >&2
-    echo "test.sh: $name failed (exit $rc, $seconds s)" >&2
-    failed=1
-  fi
-done
-[ "$failed" = 0 ] || exit 1
+# llama.cpp's sources (its vocabularies, the GGUF converter) before the tests, its compile beside them
+while [ ! -f "$parts/install_server.sources" ] && [ ! -f "$parts/install_server.done" ]; do sleep 1; done
+[ ! -f "$parts/install_server.done" ] || names+=("$beside_tests")
+report "${names[@]}" || exit 1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Two workers (pytest-xdist): the suite waits on subprocesses, servers and sockets about half the
 # time, so two keep both cores busy (measured: 258 s against 443 s on tests/test_cli.py and
@@ -93,4 +102,12 @@ workers=${TURNRL_TEST_WORKERS:-2}
 if [ "$workers" != 0 ] && [ "$workers" != 1 ]; then
   export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 fi
-.venv/bin/python -m pytest -q -n "$workers" "$@"
+# tests/parts.py: a test that needs llama-server waits for the compile's .done in this folder
+export TURNRL_TEST_PARTS=$parts
+status=0
+.venv/bin/python -m pytest -q -n "$workers" "$@" || status=$?
+if [[ " ${names[*]} " != *" $beside_tests "* ]]; then
+  await "$beside_tests"
+  report "$beside_tests" || exit 1
+fi
+exit "$status"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from parts import missing
+from parts import await_part, missing
 
 from turnrl.app import LLMUser, chat_model
 from turnrl.chat.encoder import ChatEncoder
@@ -146,9 +146,10 @@ async def test_a_user_played_by_a_second_embedded_model(qwen3_tokenizer: Any, sm
     assert traj.metrics["check/ok"] is True and traj.metrics["check/mismatches"] == 0
 
 
-def _llama_server_or_skip() -> Any:
+def _llama_server_or_skip() -> None:
     from turnrl.engines.servers import find_llama_server
 
+    await_part("install_server")
     if find_llama_server() is None:
         missing("llama-server not installed: run scripts/install_server.sh")
 

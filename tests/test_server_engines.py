@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from parts import missing
+from parts import await_part, missing
 from reference import chat_prompt, max_diff, reference_logprobs
 
 from turnrl.engines.http import RequestError, ServerError
@@ -502,6 +502,7 @@ def tiny_gguf() -> Path:
     from turnrl.engines.servers import convert_to_gguf, find_convert_script, find_llama_server
     from turnrl.models import resolve_model
 
+    await_part("install_server")
     if find_llama_server() is None or find_convert_script() is None:
         missing("llama-server not installed: run scripts/install_server.sh")
     return convert_to_gguf(resolve_model("tiny-qwen3").path)
