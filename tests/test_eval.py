@@ -14,7 +14,7 @@ from turnrl.cli import main
 from turnrl.env import register_env
 from turnrl.record.codec import trajectory_from_json
 from turnrl.testing import ParityEnv
-from turnrl.train.evaluation import ALL, eval_metrics, eval_rows, pass_at_k
+from turnrl.train.evaluation import ALL, eval_metrics, eval_rows, pass_at_k, prompt_rows, wilson
 from turnrl.train.metrics import read_metrics
 from turnrl.types import StopReason, Trajectory
 
@@ -66,6 +66,23 @@ def test_rows_per_data_source_equal_a_hand_computation() -> None:
     assert 2 not in eval_rows([*trajs, traj("d", "code", 1.0)], ks=(1, 2))[-1].pass_at
 
 
+def test_rows_per_prompt_give_pass_at_k_with_an_interval_over_its_attempts() -> None:
+    """A task set's numbers task by task: prompt a passes 7 of 10 attempts, prompt b none of 2."""
+    assert wilson(10, 7) == pytest.approx((0.3968, 0.8922), abs=1e-4)  # the textbook 7/10 interval
+    low, high = wilson(2, 0)
+    assert low == 0.0 and high == pytest.approx(0.6576, abs=1e-4)
+    trajs = [traj("a", "tasks", 1.0 if i < 7 else 0.0, i) for i in range(10)]
+    trajs += [traj("b", "tasks", 0.0, 0), traj("b", "tasks", 0.5, 1)]
+    a, b = prompt_rows(trajs, ks=(1, 3))
+    assert (a.prompt, a.attempts, a.passes, a.reward) == ("a", 10, 7, 0.7)
+    assert a.pass_at[1].mean == 0.7 and (a.pass_at[1].low, a.pass_at[1].high) == wilson(10, 7)
+    # pass@3: the unbiased point, 1 - C(3,3)/C(10,3); its interval carried through 1 - (1 - p)^3
+    assert a.pass_at[3].mean == pytest.approx(1 - 1 / 120)
+    assert a.pass_at[3].low == pytest.approx(1 - (1 - 0.3968) ** 3, abs=1e-3)
+    assert (b.attempts, b.passes, b.reward, b.pass_at[1].mean, b.pass_at[1].low) == (2, 0, 0.25, 0.0, 0.0)
+    assert 3 not in b.pass_at  # two attempts give no pass@3
+
+
 def test_eval_command_on_a_checkpoint_gives_the_trainers_numbers(
     tmp_path: Path, tiny_qwen3_dir: Path
 ) -> None:
@@ -89,12 +106,18 @@ def test_eval_command_on_a_checkpoint_gives_the_trainers_numbers(
     trainer = json.loads((run / "eval" / "step_000001.json").read_text())
     logged = read_metrics(run / "metrics.jsonl")[-1]
     assert logged["eval/pass@1"] == trainer["rows"][-1]["pass_at"]["1"]["mean"]
-    assert main(["eval", str(path), "--checkpoint", str(run / "checkpoints" / "step_000001")]) == 0
+    checkpoint = str(run / "checkpoints" / "step_000001")
+    assert main(["eval", str(path), "--checkpoint", checkpoint, "--per-prompt"]) == 0
     out = run / "checkpoints" / "step_000001" / "eval"
     report = json.loads((out / "eval.json").read_text())
     assert report["rows"] == trainer["rows"] and report["group_size"] == 2
     trajs = [trajectory_from_json(json.loads(line)) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert len(trajs) == 12
+    per_prompt = report["prompts_rows"]  # each prompt's own: its 2 attempts, as in the trajectories
+    assert sorted(r["prompt"] for r in per_prompt) == sorted({t.group_id for t in trajs})
+    for row in per_prompt:
+        mine = [t for t in trajs if t.group_id == row["prompt"]]
+        assert row["attempts"] == 2 and row["passes"] == sum(t.reward >= 1.0 for t in mine)
     mean = sum(t.reward for t in trajs) / 12  # equal groups: the mean of prompt means
     assert report["rows"][-1]["reward"]["mean"] == pytest.approx(mean)
 

@@ -131,7 +131,7 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
 
     config = load_train_config(args.config, args.set, purpose="eval")
     _demo_model_for(config.model, console)
-    out = evaluate(config, args.checkpoint, args.out, console)
+    out = evaluate(config, args.checkpoint, args.out, console, per_prompt=args.per_prompt)
     console.print(f"wrote {out / EVAL_FILE} and {Path(EVAL_FILE).with_suffix('.json').name}")
     return 0
 
@@ -258,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", help="a checkpoint of the run (checkpoints/step_N) or a model folder")
     ev.add_argument("--out", help="where to write eval.jsonl and eval.json (default CHECKPOINT/eval)")
     ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    ev.add_argument(
+        "--per-prompt", action="store_true", help="also a row per prompt: pass@k per task of a task set"
+    )
     ev.set_defaults(func=_eval)
     gw = sub.add_parser("gateway", help="serve a model on the OpenAI API and record token-exact sessions")
     gw.add_argument("config", help="YAML gateway config (model, engine, sampling, output_dir, port)")

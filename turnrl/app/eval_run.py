@@ -22,7 +22,14 @@ from turnrl.support.progress import LoggedProgress
 from turnrl.support.run_folder import release
 from turnrl.support.stopping import bounded_stops
 from turnrl.train.config import TrainConfig
-from turnrl.train.evaluation import EVAL_SEED_OFFSET, EvalRow, report_table, run_eval
+from turnrl.train.evaluation import (
+    EVAL_SEED_OFFSET,
+    EvalRow,
+    prompt_rows,
+    prompt_table,
+    report_table,
+    run_eval,
+)
 from turnrl.types import Trajectory
 
 EVAL_FILE = "eval.jsonl"  # the trajectories; eval.json beside it holds the numbers
@@ -114,14 +121,19 @@ async def evaluate_config(
         await engine.close()
 
 
-def evaluate(config: TrainConfig, checkpoint: str | None, out: str | None, console: Console) -> Path:
-    """Run ``turnrl eval``; print the table; the folder written."""
+def evaluate(
+    config: TrainConfig, checkpoint: str | None, out: str | None, console: Console, per_prompt: bool = False
+) -> Path:
+    """Run ``turnrl eval``; print the table (and a row per prompt: ``per_prompt``); the folder written."""
     ckpt = Path(checkpoint) if checkpoint else None
     if ckpt is not None and not ckpt.is_dir():
         raise RunError(f"no checkpoint folder at {ckpt}")
     out_dir = Path(out) if out else (ckpt / "eval" if ckpt else Path(config.output_dir) / "eval" / "model")
-    _, rows = asyncio.run(evaluate_config(config, ckpt, out_dir, console))
+    trajs, rows = asyncio.run(evaluate_config(config, ckpt, out_dir, console))
     if not rows:
         raise RunError("no trajectory was rolled out (is the held-out set empty?)")
-    console.print(report_table(rows, f"{env_kind(config.env).title} on {ckpt or config.model}"))
+    title = f"{env_kind(config.env).title} on {ckpt or config.model}"
+    if per_prompt:
+        console.print(prompt_table(prompt_rows(trajs, config.eval.k, config.eval.pass_reward), title))
+    console.print(report_table(rows, title))
     return out_dir

@@ -7,6 +7,11 @@ for ``k <= n``. Trajectories of one prompt are correlated, so the prompt is the 
 confidence interval: each prompt's value (its mean reward, its pass@k), then their mean
 ``± 1.96 · s / √P`` with ``s`` the sample standard deviation over the ``P`` prompts (a normal
 approximation; none below two prompts; pass@k's clipped to [0, 1]).
+
+Per prompt (a task of a task set, say: ``prompt_rows``), the unit is the attempt: pass@1's interval
+is the Wilson score interval of its ``c`` passes in ``n`` attempts, and pass@k's is that interval
+carried through ``1 - (1 - p)^k`` (the pass@k of independent attempts that each pass with ``p``);
+the point estimates are the same unbiased ones as above.
 """
 
 from __future__ import annotations
@@ -54,6 +59,18 @@ class EvalRow:
     pass_at: dict[int, Estimate] = field(default_factory=dict)  # k -> pass@k
 
 
+@dataclass
+class PromptRow:
+    """The numbers of one held-out prompt (its sample id: a task's name for a task set)."""
+
+    prompt: str
+    data_source: str
+    attempts: int
+    passes: int
+    reward: float  # the mean over its attempts
+    pass_at: dict[int, Estimate] = field(default_factory=dict)  # k -> pass@k
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The probability that at least one of ``k`` of ``n`` samples (``c`` of them correct) passes."""
     if not 0 <= c <= n or not 1 <= k <= n:
@@ -74,6 +91,34 @@ def estimate(values: Sequence[float], bounds: tuple[float, float] | None = None)
     if bounds is not None:
         low, high = max(low, bounds[0]), min(high, bounds[1])
     return Estimate(mean, low, high)
+
+
+def wilson(n: int, c: int) -> tuple[float, float]:
+    """The 95% Wilson score interval of a rate with ``c`` successes in ``n`` trials (n >= 1)."""
+    z2 = Z95 * Z95
+    center = (c + z2 / 2) / (n + z2)
+    half = Z95 * math.sqrt(c * (n - c) / n + z2 / 4) / (n + z2)
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def prompt_rows(
+    trajs: Sequence[Trajectory], ks: Sequence[int] = (1,), pass_reward: float = 1.0
+) -> list[PromptRow]:
+    """One row per prompt, in the order first seen: its attempts, passes, mean reward and pass@k
+    for each ``k`` up to its attempts, each with a 95% interval over its attempts."""
+    groups: dict[str, list[Trajectory]] = {}
+    for traj in one_per_run(trajs):
+        groups.setdefault(traj.group_id, []).append(traj)
+    rows = []
+    for prompt, group in groups.items():
+        n, c = len(group), sum(t.score >= pass_reward for t in group)
+        low, high = wilson(n, c)
+        row = PromptRow(prompt, group[0].data_source or "", n, c, statistics.fmean(t.score for t in group))
+        for k in ks:
+            if k <= n:
+                row.pass_at[k] = Estimate(pass_at_k(n, c, k), 1 - (1 - low) ** k, 1 - (1 - high) ** k)
+        rows.append(row)
+    return rows
 
 
 def _row(source: str, groups: list[list[Trajectory]], ks: Sequence[int], pass_reward: float) -> EvalRow:
@@ -141,10 +186,13 @@ def eval_metrics(rows: Sequence[EvalRow], prefix: str = "eval/") -> dict[str, fl
     return out
 
 
-def write_report(path: Path, rows: Sequence[EvalRow], about: dict[str, Any]) -> None:
-    """``rows`` as JSON with what was evaluated (``about``: model, data, sampling...)."""
+def write_report(
+    path: Path, rows: Sequence[EvalRow], about: dict[str, Any], prompts: Sequence[PromptRow] = ()
+) -> None:
+    """``rows`` (and each prompt's, ``prompts``) as JSON with what was evaluated (``about``: model,
+    data, sampling...)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {**about, "rows": [asdict(r) for r in rows]}
+    payload = {**about, "rows": [asdict(r) for r in rows], "prompts_rows": [asdict(r) for r in prompts]}
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
@@ -164,6 +212,20 @@ def report_table(rows: Sequence[EvalRow], title: str = "held-out evaluation") ->
         passes = [_cell(r.pass_at[k]) if k in r.pass_at else "-" for k in ks]
         table.add_row(
             r.data_source or "(none)", str(r.prompts), str(r.trajectories), _cell(r.reward), *passes
+        )
+    return table
+
+
+def prompt_table(rows: Sequence[PromptRow], title: str = "per prompt") -> Table:
+    """A row per prompt: attempts, passes, mean reward, pass@k with 95% intervals over its attempts."""
+    ks = sorted({k for r in rows for k in r.pass_at})
+    table = Table(title=f"{title}: pass@k [95% interval over its attempts]")
+    for name in ("prompt", "data source", "attempts", "passes", "reward", *(f"pass@{k}" for k in ks)):
+        table.add_column(name, justify="left" if name in ("prompt", "data source") else "right")
+    for r in rows:
+        passes = [_cell(r.pass_at[k]) if k in r.pass_at else "-" for k in ks]
+        table.add_row(
+            r.prompt, r.data_source or "(none)", str(r.attempts), str(r.passes), f"{r.reward:.3f}", *passes
         )
     return table
 
@@ -203,5 +265,5 @@ async def run_eval(
         "pass_reward": config.pass_reward,
         "trajectories": out_path.name,
     }
-    write_report(out_path.with_suffix(".json"), rows, about)
+    write_report(out_path.with_suffix(".json"), rows, about, prompt_rows(trajs, config.k, config.pass_reward))
     return trajs, rows
