@@ -10,8 +10,8 @@ export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=s
 # bubblewrap, the Codex CLI) start with setup.sh, the others once it is done. Each writes its log
 # and, once ended, its exit status and seconds into a folder of its own; apt_install.sh serializes
 # the ones that need apt. The tests start when all but llama.cpp's compile have ended; that compile
-# goes on beside them at the lowest priority (nice 19: it takes only the CPU the tests leave, and
-# turnrl's own count of free CPUs leaves niced work out), and the tests that run llama-server wait
+# goes on beside them at the lowest priority (it takes only the CPU the tests leave, and turnrl's
+# own count of free CPUs leaves niced work out), and the tests that run llama-server wait
 # for it (tests/parts.py). Each log is printed in this order with its time, and any that failed
 # fails the run, its log on stderr.
 parts=$(mktemp -d)
@@ -68,7 +68,11 @@ report() { # report NAME...: each one's log and time; 1 if any failed
 PY=${PYTHON:-python3}
 # llama.cpp's compile needs no .venv: it starts first, its sources fetched by the system pip, the
 # converter's packages left to setup.sh; without a system pip it starts after setup.sh
-server=(nice -n 19 env TURNRL_SERVER_SOURCES_READY="$parts/install_server.sources")
+# at the lowest priority: nice 19, and the same for its session's autogroup where the kernel groups
+# sessions (CONFIG_SCHED_AUTOGROUP, on here): start's setsid gives it a group of its own, which the
+# scheduler would otherwise weigh equal to the tests' group whatever the nice of the processes in it
+lowest='[ ! -w /proc/self/autogroup ] || echo 19 >/proc/self/autogroup; exec nice -n 19 "$@"'
+server=(bash -c "$lowest" lowest env TURNRL_SERVER_SOURCES_READY="$parts/install_server.sources")
 early_server=0
 if "$PY" -m pip --version >/dev/null 2>&1; then
   early_server=1
