@@ -8,17 +8,13 @@ import time
 
 
 def _machine_times() -> tuple[float, float] | None:
-    """All CPUs' busy and total jiffies since boot (Linux's /proc/stat), or None elsewhere. Niced
-    processes' time counts as free when this process is not niced itself: they give way to it (a
-    nice-19 compile gets about 1.5% of a CPU beside one of ours)."""
+    """All CPUs' busy and total jiffies since boot (Linux's /proc/stat), or None elsewhere."""
     try:
         with open("/proc/stat") as stat:
             fields = [float(x) for x in stat.readline().split()[1:]]
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    if os.getpriority(os.PRIO_PROCESS, 0) <= 0:
-        idle += fields[1]  # nice
     return sum(fields) - idle, sum(fields)
 
 
