@@ -9,6 +9,7 @@ import asyncio
 import os
 import shutil
 import socket
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.config import HarnessConfig
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.harness import HarnessRunner
+from turnrl.support import imports
 from turnrl.support.imports import add_search_path
 from turnrl.types import Sample, StopReason, Trajectory
 
@@ -217,6 +219,25 @@ def test_an_agent_kept_under_tmp_is_seen_over_the_runs_private_tmp(
     assert traj.stop_reason == StopReason.AGENT_DONE, traj.error  # it ran, from its folder under /tmp
     assert f"{agents}/escaped" not in escape_task.FOUND["escapee"]["wrote"]  # read-only there
     assert sorted(os.listdir(agents)) == ["escape_agent.py"]
+
+
+def test_a_config_kept_in_tmp_shows_no_other_runs_folder_and_keeps_the_runs_home(
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config in /tmp makes /tmp a folder the runs are shown (its modules'), which would cover
+    each run's private /tmp (its home) with the host's, other runs' folders in it: /tmp is never
+    shown whole."""
+    sibling = Path(tempfile.mkdtemp(prefix="turnrl-", dir="/tmp"))  # another run's folder
+    (sibling / "session.jsonl").write_text("another run's tokens")
+    monkeypatch.setattr(imports, "_SEARCHED", [*imports.search_path(), "/tmp"])  # the config's folder
+    try:
+        paths = {"ESCAPE_PATHS": f"{sibling}/session.jsonl"}
+        _, _, [traj], _ = batch(qwen3_tokenizer, tmp_path, "read", env=paths)
+    finally:
+        shutil.rmtree(sibling)
+    assert traj.stop_reason == StopReason.AGENT_DONE, traj.error
+    found = escape_task.FOUND["escapee"]
+    assert found["seen"] == [] and found["home"] is True, found
 
 
 @STARTS

@@ -304,3 +304,34 @@ def test_an_agent_on_task_rows_works_at_the_tasks_path_and_is_rewarded_by_its_te
     seen = json.loads((kept / "work" / "seen.json").read_text())
     assert seen == {"cwd": "/app", "files": ["README", "hello.txt"], "tests": False, "solution": False}
     assert (kept / "logs" / "verifier" / "output.txt").read_text().startswith("reward 1\n")
+
+
+def test_an_agent_past_its_tasks_time_limit_is_stopped_there_and_told_so(tmp_path: Path) -> None:
+    """A task's `[agent] timeout_sec` is the run's time limit (not env.timeout_s), and the stop
+    reason's line names it."""
+    root = tmp_path / "tasks"
+    write_task(root, "quick", tests=PASS)
+    slow = "FROM python:3.11-slim\nWORKDIR /app\nCOPY .slow /app/.slow\n"  # the agent sleeps where it is
+    write_task(
+        root, "slow", tests=PASS, dockerfile=slow, files={".slow": ""}, toml="[agent]\ntimeout_sec = 3\n"
+    )
+    out = tmp_path / "out"
+    config = agent_config(out)
+    config["data"] = {"generator": "turnrl.tasks:rows", "kwargs": {"path": str(root)}}
+    config["env"]["command"] = [  # type: ignore[index]
+        "bash",
+        "-c",
+        'TASK_AGENT_SLEEP=$([ -f /app/.slow ] && echo 60 || echo 0) exec python "$0" "$1"',
+        str(REPO / "tests" / "harness_agents" / "task_agent.py"),
+        "{prompt}",
+    ]
+    (tmp_path / "tasks.yaml").write_text(json.dumps(config))
+    done = turnrl("rollout", str(tmp_path / "tasks.yaml"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    trajs = {t["group_id"]: t for t in map(json.loads, (out / "trajectories.jsonl").read_text().splitlines())}
+    assert trajs["quick"]["stop_reason"] == "agent_done" and trajs["quick"]["reward"] == 1.0
+    late = trajs["slow"]
+    assert late["stop_reason"] == "agent_timeout" and late["run"]["seconds"] < 30, late["run"]
+    assert late["error"].startswith(
+        "the agent ran past its row's time limit (a task's [agent] timeout_sec) 3 s and was killed"
+    ), late["error"]

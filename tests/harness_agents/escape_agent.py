@@ -42,6 +42,13 @@ elif mode == "write":
         except OSError:
             pass
     found["wrote"] = wrote
+elif mode == "read":  # other runs' files it knows the paths of, and its own home
+    found["seen"] = [t for t in os.environ.get("ESCAPE_PATHS", "").split(":") if t and os.path.exists(t)]
+    try:
+        Path(os.path.expanduser("~/note.txt")).write_text("mine")
+        found["home"] = True
+    except OSError:
+        found["home"] = False
 elif mode == "environ":
     seen = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

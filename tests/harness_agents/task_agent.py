@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from openai import OpenAI
@@ -15,6 +16,7 @@ client = OpenAI()
 client.chat.completions.create(
     model=os.environ["TURNRL_MODEL"], messages=[{"role": "user", "content": sys.argv[1]}], max_tokens=4
 )
+time.sleep(float(os.environ.get("TASK_AGENT_SLEEP", "0")))  # an agent slower than its task allows
 Path("hello.txt").write_text("hello world\n")
 seen = {"cwd": os.getcwd(), "files": sorted(os.listdir(".")), "tests": os.path.exists("/tests")}
 seen["solution"] = os.path.exists("/solution")

@@ -53,6 +53,7 @@ class Exit:
     stderr: str
     error: str | None = None  # why it did not start
     seconds: float = 0.0
+    limit_s: float | None = None  # the time limit it ran under
 
 
 SCRIPTS = (".py", ".sh", ".js", ".mjs", ".cjs", ".ts", ".rb", ".pl")  # an argument with these names a file
@@ -195,7 +196,7 @@ async def run_agent(
             await _stop(pid, waited, signal_run)
         signal_run(pid, signal.SIGKILL, True)  # the agent's group too, also when it exited on its own
         launch.close()
-    return Exit(code, timed_out, tail(out), tail(err), error, seconds=loop.time() - t0)
+    return Exit(code, timed_out, tail(out), tail(err), error, seconds=loop.time() - t0, limit_s=timeout)
 
 
 async def _stop(

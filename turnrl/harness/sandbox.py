@@ -67,6 +67,12 @@ def bwrap_missing() -> str | None:
     return None
 
 
+# folders never shown to a run whole: each covers its private /tmp, where its home is, and /tmp
+# holds other runs' folders (a config kept in /tmp would make its folder, /tmp, a visible one)
+COVERS_TMP = frozenset({"/", "/tmp"})
+NOT_WHOLE = "keep the config and the modules it names in a folder of their own"
+
+
 class BubblewrapRuntime:
     """Runs a harness run's commands in bubblewrap (see the module doc)."""
 
@@ -87,7 +93,12 @@ class BubblewrapRuntime:
         python = {sys.prefix, sys.base_prefix, os.path.realpath(sys.executable).rsplit("/bin/", 1)[0]}
         package = str(Path(__file__).resolve().parents[1])  # turnrl itself (the keeper, the call runner)
         paths = [*python, package, *map(str, visible), *config.read_only]
-        self.visible = sorted({os.path.realpath(p) for p in paths if os.path.exists(p)}, key=len)
+        real = {os.path.realpath(p) for p in paths if os.path.exists(p)}
+        for whole in sorted(real & COVERS_TMP):  # a config kept in /tmp, say
+            log.warning(
+                f"the sandbox does not show {whole} whole (other runs' folders are there): {NOT_WHOLE}"
+            )
+        self.visible = sorted(real - COVERS_TMP, key=len)
         self.hidden = [str(Path(p).resolve()) for p in hidden]
         self.gateway = gateway  # the port agents call, and the gateway's Unix socket
         self.root = os.geteuid() == 0

@@ -100,7 +100,10 @@ def ending(
     if exit.error is not None:
         return StopReason.AGENT_ERROR, exit.error
     if exit.timed_out:
-        killed = f"the agent ran past env.timeout_s {timeout:g} s and was killed{said}"
+        limit = exit.limit_s if exit.limit_s is not None else timeout
+        # a row's place (a task's [agent] timeout_sec) sets the limit instead of env.timeout_s
+        named = "env.timeout_s" if limit == timeout else "its row's time limit (a task's [agent] timeout_sec)"
+        killed = f"the agent ran past {named} {limit:g} s and was killed{said}"
         return StopReason.AGENT_TIMEOUT, killed
     if over_budget:
         return StopReason.TOKEN_BUDGET, f"the agent made {result.calls} calls, its limit (env.max_calls)"
