@@ -152,6 +152,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _free_what_the_module_left() -> Iterator[None]:
+    """The sockets a module's clients left open (a client of a test's server, closed with its event
+    loop but not by it) are freed at the module's end: freed by a garbage collection during another
+    module's test instead, their ResourceWarning failed that test (seen in test_gateway_clients)."""
+    yield
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
 # The shared vLLM servers stop once the last test that uses them ends: an idle vLLM server keeps
 # using the CPU (measured on 2026-12-06: 8 CPU-minutes in the 48 it stayed up after its last test).
 _LAST_SHARED_VLLM: list[str] = []

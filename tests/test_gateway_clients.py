@@ -7,7 +7,10 @@ leaves two branches that say so."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,17 @@ from turnrl.gateway import Reason, read_branches
 from turnrl.rollout.finish import check_metrics
 
 SYSTEM, QUESTION = START[0]["content"], START[1]["content"]
+
+
+@pytest.fixture(autouse=True)
+def _free_the_clients_sockets() -> Iterator[None]:
+    """The agent SDKs (openai-agents, LangGraph, anthropic) leave their HTTP clients' sockets to the
+    garbage collector; freed during a later test, their ResourceWarning failed it (seen in quick
+    runs). They are freed at the end of the test that made them."""
+    yield
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
 
 
 def lookup(key: str) -> str:
