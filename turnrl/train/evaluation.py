@@ -106,11 +106,8 @@ def prompt_rows(
 ) -> list[PromptRow]:
     """One row per prompt, in the order first seen: its attempts, passes, mean reward and pass@k
     for each ``k`` up to its attempts, each with a 95% interval over its attempts."""
-    groups: dict[str, list[Trajectory]] = {}
-    for traj in one_per_run(trajs):
-        groups.setdefault(traj.group_id, []).append(traj)
     rows = []
-    for prompt, group in groups.items():
+    for prompt, group in _by_prompt(trajs).items():
         n, c = len(group), sum(t.score >= pass_reward for t in group)
         low, high = wilson(n, c)
         row = PromptRow(prompt, group[0].data_source or "", n, c, statistics.fmean(t.score for t in group))
@@ -150,14 +147,20 @@ def one_per_run(trajs: Sequence[Trajectory]) -> list[Trajectory]:
     return out
 
 
+def _by_prompt(trajs: Sequence[Trajectory]) -> dict[str, list[Trajectory]]:
+    """Each prompt's runs (``one_per_run``), in the order first seen."""
+    groups: dict[str, list[Trajectory]] = {}
+    for traj in one_per_run(trajs):
+        groups.setdefault(traj.group_id, []).append(traj)
+    return groups
+
+
 def eval_rows(
     trajs: Sequence[Trajectory], ks: Sequence[int] = (1,), pass_reward: float = 1.0
 ) -> list[EvalRow]:
     """One row per data source (sorted), then the ``ALL`` row; empty for no trajectories. pass@k is
     given for each ``k`` that every prompt has enough trajectories for."""
-    groups: dict[str, list[Trajectory]] = {}
-    for traj in one_per_run(trajs):
-        groups.setdefault(traj.group_id, []).append(traj)
+    groups = _by_prompt(trajs)
     by_source: dict[str, list[list[Trajectory]]] = {}
     for group in groups.values():
         by_source.setdefault(group[0].data_source or "", []).append(group)
