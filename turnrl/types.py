@@ -299,6 +299,21 @@ CURRENT_TURN: ContextVar[TurnContext | None] = ContextVar("turnrl_current_turn",
 """The turn being generated in this task, or None outside a rollout."""
 
 
+class TokenSink(Protocol):
+    """Where an engine reports the tokens of a generation as it samples them (a streamed call)."""
+
+    def __call__(self, token_ids: Sequence[int]) -> None:
+        """Take the tokens sampled since the last call, in order (called on the caller's event loop)."""
+        ...
+
+
+TOKEN_SINK: ContextVar[TokenSink | None] = ContextVar("turnrl_token_sink", default=None)
+"""Set by a caller that streams (the gateway's streamed calls) around one ``generate``: an engine
+that samples token by token (the embedded engine, vLLM's) hands it each token as it is sampled,
+before ``generate`` returns them all; other engines leave it uncalled, and the caller gets the
+tokens at the end. Wrappers (a balancer) pass it through with the task's context."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Generates from token ids; many callers may await it concurrently."""

@@ -135,6 +135,20 @@ class ConversationEncoder:
             return self._content(self.template.decode(token_ids[:-1])), last
         return self._content(self.template.decode(token_ids)), last
 
+    def streamed_text(self, text: str) -> str:
+        """The content so far of a turn still being sampled, from the text of its tokens so far: as
+        ``assistant_text``, with a tail that may yet become the end of turn, or a reply prefix not yet
+        complete, held back."""
+        prefix = self.probe.reply_prefix
+        if prefix and prefix.startswith(text):
+            return ""
+        text = self._content(text)
+        close = self.probe.assistant_close
+        for size in range(min(len(close), len(text)), 0, -1):
+            if close.startswith(text[-size:]):
+                return text[:-size]
+        return text
+
     def _content(self, text: str) -> str:
         """Sampled text as message content: without the prefix the template writes itself before an
         assistant's content (``probe.reply_prefix``, Functionary's recipient line)."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from turnrl.support.errors import describe
 from turnrl.types import Message
+
+_PIECEWISE_PROBE = 'Hello world, it\'s 4.\n  Two  spaces;\ttab {"a": [1]} <b> Ünïcode 中文 ok.\n\n'
 
 
 class ChatTemplateError(ValueError):
@@ -91,6 +94,20 @@ class ChatTemplate:
         return str(
             self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         )
+
+    @functools.cached_property
+    def decodes_piecewise(self) -> bool:
+        """Whether decoding ids a piece at a time and joining the texts gives the text of decoding
+        them at once, at every cut that splits no character (byte-level BPE: yes; a tokenizer that
+        drops a piece's leading space: no): a streamed reply is then decoded as it grows, not whole
+        at every token."""
+        ids = self.encode(_PIECEWISE_PROBE)
+        whole = self.decode(ids)
+        for cut in range(1, len(ids)):
+            head, tail = self.decode(ids[:cut]), self.decode(ids[cut:])
+            if "\ufffd" not in head + tail and head + tail != whole:
+                return False
+        return True
 
     def encode_protected(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
         """Encode a text given as (piece, is_content) pairs; content never becomes a special token.

@@ -33,10 +33,12 @@ from typing import Any
 from turnrl.engines.http import ServerError
 from turnrl.support.errors import describe
 from turnrl.types import (
+    TOKEN_SINK,
     Engine,
     EngineError,
     Generation,
     SamplingParams,
+    TokenSink,
     Weights,
     as_abortable,
     as_following,
@@ -72,6 +74,19 @@ class _Binding:
 
     index: int
     turns: int = 0
+
+
+class _Counted:
+    """A streamed call's token sink that counts what it passed on (a call whose tokens were already
+    streamed is not tried again elsewhere: its caller cannot take them back)."""
+
+    def __init__(self, sink: TokenSink | None) -> None:
+        self.sink, self.count = sink, 0
+
+    def __call__(self, token_ids: Sequence[int]) -> None:
+        self.count += len(token_ids)
+        if self.sink is not None:
+            self.sink(token_ids)
 
 
 def _server_failure(exc: BaseException) -> bool:
@@ -120,13 +135,17 @@ class BalancedEngine:
     ) -> Generation:
         """Generate on the chosen engine; on a server failure, once more on another healthy one."""
         index = self._place(session)
+        streamed = _Counted(TOKEN_SINK.get())
+        token = TOKEN_SINK.set(streamed if streamed.sink is not None else None)
         try:
             return await self._call(index, prompt_ids, sampling, images, session)
         except Exception as exc:
-            if not _server_failure(exc):
+            if not _server_failure(exc) or streamed.count:  # a caller that has seen tokens gets no rerun
                 raise
             self._mark_down(index, exc)
             first = f"{self.stats[index].name} failed: {exc}"
+        finally:
+            TOKEN_SINK.reset(token)
         retry = self._place(session, exclude=index, reason=first)
         try:
             return await self._call(retry, prompt_ids, sampling, images, session)

@@ -58,7 +58,7 @@ import httpx
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present
 from turnrl.engines.openai import completion_payload
 from turnrl.engines.weights import write_safetensors
-from turnrl.types import EngineError, Generation, SamplingParams, Weights
+from turnrl.types import TOKEN_SINK, EngineError, Generation, SamplingParams, Weights
 from turnrl.vision.processor import image_url
 
 WEIGHTS_FILE = "model.safetensors"
@@ -306,6 +306,7 @@ class VLLMServerEngine:
     ) -> None:
         """Read one generation's stream into ``got``, event by event (an abort keeps what arrived);
         ``images_prompt``: the prompt to compare with the one vLLM expanded, for turns with images."""
+        sink = TOKEN_SINK.get()  # a streamed call: each event's tokens as they arrive
         try:
             async for event in self._client.events(path, body):
                 if images_prompt is not None and "prompt_token_ids" in event:
@@ -316,6 +317,8 @@ class VLLMServerEngine:
                 new = [int(t) for t in choice.get("token_ids") or ()]
                 got.ids += new
                 self.tokens_received += len(new)
+                if sink is not None and new:
+                    sink(new)
                 got.logprobs += event_logprobs(choice)
                 got.reason = choice.get("finish_reason") or got.reason
                 if choice.get("stop_reason") is not None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from turnrl.gateway.call import (
     ApiError,
+    Begun,
     ChatRequest,
     Completed,
     Incoming,
@@ -167,8 +168,7 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
     return out
 
 
-def _blocks(done: Completed) -> list[dict[str, Any]]:
-    message = done.reply.message
+def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
         blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
@@ -194,24 +194,66 @@ def response(done: Completed) -> dict[str, Any]:
         "type": "message",
         "role": "assistant",
         "model": done.model,
-        "content": _blocks(done),
+        "content": _blocks(done.reply.message),
         "stop_reason": STOP_REASONS.get(done.reply.finish_reason, "end_turn"),
         "stop_sequence": None,
         "usage": _usage(done, done.completion_tokens),
     }
 
 
-def events(done: Completed) -> Iterator[str]:
-    """The message as Anthropic's event stream: ``message_start``; per block its start, one delta
-    and its stop; ``message_delta`` with the stop reason and usage; ``message_stop``."""
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
-    def event(kind: str, data: dict[str, Any]) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
-    whole = response(done)
-    start = whole | {"content": [], "stop_reason": None, "usage": _usage(done, 0)}
-    yield event("message_start", {"message": start})
-    for i, block in enumerate(whole["content"]):
+class MessageEvents:
+    """The message as Anthropic's event stream, written as it comes (``streaming.Events``):
+    ``message_start``; per block its start, its deltas (the text's as sampled) and its stop;
+    ``message_delta`` with the stop reason and usage; ``message_stop``."""
+
+    def __init__(self) -> None:
+        self.index = 0  # the next block's
+        self.writing = False  # a text block is open
+
+    def opening(self, begun: Begun) -> list[str]:
+        usage = {"input_tokens": begun.prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                 "cache_read_input_tokens": begun.cached_tokens}  # fmt: skip
+        start: dict[str, Any] = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                                 "model": begun.model, "content": [], "stop_reason": None,
+                                 "stop_sequence": None, "usage": usage}  # fmt: skip
+        return [_event("message_start", {"message": start})]
+
+    def text(self, reasoning: str | None, delta: str) -> list[str]:
+        out: list[str] = []
+        if not self.writing:
+            if reasoning:
+                out += self._block({"type": "thinking", "thinking": reasoning, "signature": ""})
+            out.append(self._start({"type": "text", "text": ""}))
+            self.writing = True
+        return [*out, self._delta({"type": "text_delta", "text": delta})]
+
+    def closing(self, done: Completed, reasoning: str | None, rest: str) -> list[str]:
+        out: list[str] = []
+        if self.writing:
+            out += [self._delta({"type": "text_delta", "text": rest})] if rest else []
+            out.append(self._stop())
+        else:
+            out += (
+                self._block({"type": "thinking", "thinking": reasoning, "signature": ""}) if reasoning else []
+            )
+            out += self._block({"type": "text", "text": rest}) if rest else []
+        for block in _blocks(done.reply.message):
+            out += self._block(block) if block["type"] == "tool_use" else []
+        stop = {"stop_reason": STOP_REASONS.get(done.reply.finish_reason, "end_turn"), "stop_sequence": None}
+        out.append(
+            _event("message_delta", {"delta": stop, "usage": {"output_tokens": done.completion_tokens}})
+        )
+        return [*out, _event("message_stop", {})]
+
+    def failed(self, error: ApiError) -> list[str]:
+        return [_event("error", error_body(error))]
+
+    def _block(self, block: dict[str, Any]) -> list[str]:
+        """A whole block: its start, one delta, its stop."""
         if block["type"] == "thinking":
             first: dict[str, Any] = {"type": "thinking", "thinking": "", "signature": ""}
             deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
@@ -222,13 +264,17 @@ def events(done: Completed) -> Iterator[str]:
         else:
             first = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
             deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
-        yield event("content_block_start", {"index": i, "content_block": first})
-        for delta in deltas:
-            yield event("content_block_delta", {"index": i, "delta": delta})
-        yield event("content_block_stop", {"index": i})
-    stop = {"stop_reason": whole["stop_reason"], "stop_sequence": None}
-    yield event("message_delta", {"delta": stop, "usage": {"output_tokens": done.completion_tokens}})
-    yield event("message_stop", {})
+        return [self._start(first), *(self._delta(d) for d in deltas), self._stop()]
+
+    def _start(self, block: dict[str, Any]) -> str:
+        return _event("content_block_start", {"index": self.index, "content_block": block})
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _stop(self) -> str:
+        self.index += 1
+        return _event("content_block_stop", {"index": self.index - 1})
 
 
 # an Anthropic client adds /v1 to its base URL itself: one given .../v1 asks for /v1/v1/...
@@ -243,8 +289,9 @@ class AnthropicMessages:
 
     async def serve(self, call: Incoming) -> Outgoing:
         asked = read_request(call.body)
-        done = await call.answer(call.session, asked)
-        return events(done) if asked.stream else response(done)
+        if asked.stream:
+            return await call.stream(call.session, asked, MessageEvents())
+        return response(await call.answer(call.session, asked))
 
 
 class AnthropicCountTokens:

@@ -11,9 +11,11 @@ call and ``routes`` serves every dialect the same way. The checks every dialect 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from starlette.responses import StreamingResponse
 
 from turnrl.gateway.session import Reply
 
@@ -75,8 +77,44 @@ class Completed:
 Answer = Callable[[str, ChatRequest], Awaitable[Completed]]
 """The gateway's answer to a call of a session (aborted when the client goes away first)."""
 
-Outgoing = dict[str, Any] | Iterator[str]
-"""What a dialect answers: a JSON body, or the server-sent events of a stream."""
+Outgoing = dict[str, Any] | StreamingResponse
+"""What a dialect answers: a JSON body, or the response that streams a call's events."""
+
+
+@dataclass(frozen=True)
+class Begun:
+    """A streamed call once planned: the model that answers, its prompt's tokens, those of them the
+    session already held."""
+
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class Events(Protocol):
+    """A dialect's event stream for one streamed call, written as the reply comes."""
+
+    def opening(self, begun: Begun) -> list[str]:
+        """The events before any content (the call is planned: its prompt size is known)."""
+        ...
+
+    def text(self, reasoning: str | None, delta: str) -> list[str]:
+        """Content as it is sampled; ``reasoning`` (the whole of it) comes with the first content."""
+        ...
+
+    def closing(self, done: Completed, reasoning: str | None, rest: str) -> list[str]:
+        """The end of the reply: ``reasoning`` when not shown yet, ``rest`` of the content, then the
+        tool calls, the finish reason, the usage; every other reply of ``n > 1`` whole."""
+        ...
+
+    def failed(self, error: ApiError) -> list[str]:
+        """An error after the stream began (the engine failed)."""
+        ...
+
+
+Stream = Callable[[str, ChatRequest, Events], Awaitable[StreamingResponse]]
+"""The gateway's streamed answer to a call of a session: its events (``Events``) as the reply is
+sampled, from a response returned once the call is planned (a call refused before that raises)."""
 
 
 @dataclass
@@ -87,6 +125,7 @@ class Incoming:
     session: str  # the session its URL or key may write to (authorized)
     named: bool  # whether its URL or key named that session (else the gateway's default one)
     answer: Answer
+    stream: Stream
 
 
 class Dialect(Protocol):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from turnrl.gateway.call import (
     ApiError,
+    Begun,
     ChatRequest,
     Completed,
     Incoming,
@@ -19,6 +20,7 @@ from turnrl.gateway.call import (
     positive,
     stop_list,
 )
+from turnrl.gateway.session import Reply
 
 KNOWN = {
     "model", "messages", "tools", "tool_choice", "parallel_tool_calls", "n", "stop", "max_tokens",
@@ -107,29 +109,48 @@ def response(done: Completed) -> dict[str, Any]:
     }
 
 
-def chunks(done: Completed, include_usage: bool) -> Iterator[str]:
-    """The answer as server-sent events: per choice the role, the reasoning, the content, each call
-    and the finish reason; the usage when asked; then ``[DONE]``."""
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": done.model}  # fmt: skip
+class Chunks:
+    """The answer as server-sent chunks, written as it comes (``streaming.Events``): the role, the
+    reasoning and content (of the first choice as sampled), each call and the finish reason per
+    choice; the usage when asked; then ``[DONE]``."""
 
-    def event(k: int, delta: dict[str, Any], finish: str | None = None) -> str:
+    def __init__(self, include_usage: bool) -> None:
+        self.include_usage = include_usage
+        self.base: dict[str, Any] = {}
+
+    def _event(self, k: int, delta: dict[str, Any], finish: str | None = None) -> str:
         choice = {"index": k, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return f"data: {json.dumps(base | {'choices': [choice]})}\n\n"
+        return f"data: {json.dumps(self.base | {'choices': [choice]})}\n\n"
 
-    for k, reply in enumerate(done.replies):
-        message = reply.message
-        yield event(k, {"role": "assistant", "content": ""})
-        if message.get("reasoning_content"):
-            yield event(k, {"reasoning_content": message["reasoning_content"]})
-        if message.get("content"):
-            yield event(k, {"content": message["content"]})
-        for i, call in enumerate(message.get("tool_calls") or ()):
-            yield event(k, {"tool_calls": [{"index": i, **call}]})
-        yield event(k, {}, reply.finish_reason)
-    if include_usage:
-        yield f"data: {json.dumps(base | {'choices': [], 'usage': usage(done)})}\n\n"
-    yield "data: [DONE]\n\n"
+    def opening(self, begun: Begun) -> list[str]:
+        self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": begun.model}  # fmt: skip
+        return [self._event(0, {"role": "assistant", "content": ""})]
+
+    def text(self, reasoning: str | None, delta: str) -> list[str]:
+        first = [self._event(0, {"reasoning_content": reasoning})] if reasoning else []
+        return [*first, self._event(0, {"content": delta})]
+
+    def closing(self, done: Completed, reasoning: str | None, rest: str) -> list[str]:
+        out = self._end(0, done.replies[0], reasoning, rest)
+        for k, reply in enumerate(done.replies[1:], 1):
+            message = reply.message
+            out.append(self._event(k, {"role": "assistant", "content": ""}))
+            out += self._end(k, reply, message.get("reasoning_content"), message.get("content") or "")
+        if self.include_usage:
+            out.append(f"data: {json.dumps(self.base | {'choices': [], 'usage': usage(done)})}\n\n")
+        return [*out, "data: [DONE]\n\n"]
+
+    def _end(self, k: int, reply: Reply, reasoning: str | None, rest: str) -> list[str]:
+        out = [self._event(k, {"reasoning_content": reasoning})] if reasoning else []
+        if rest:
+            out.append(self._event(k, {"content": rest}))
+        for i, call in enumerate(reply.message.get("tool_calls") or ()):
+            out.append(self._event(k, {"tool_calls": [{"index": i, **call}]}))
+        return [*out, self._event(k, {}, reply.finish_reason)]
+
+    def failed(self, error: ApiError) -> list[str]:
+        return [f"data: {json.dumps(error_body(error))}\n\n"]
 
 
 class OpenAIChat:
@@ -143,5 +164,6 @@ class OpenAIChat:
 
     async def serve(self, call: Incoming) -> Outgoing:
         asked = read_request(call.body)
-        done = await call.answer(call.session, asked)
-        return chunks(done, asked.include_usage) if asked.stream else response(done)
+        if asked.stream:
+            return await call.stream(call.session, asked, Chunks(asked.include_usage))
+        return response(await call.answer(call.session, asked))

@@ -15,10 +15,19 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from turnrl.gateway.call import ApiError, ChatRequest, Completed, Incoming, Outgoing, checked_body, positive
+from turnrl.gateway.call import (
+    ApiError,
+    Begun,
+    ChatRequest,
+    Completed,
+    Incoming,
+    Outgoing,
+    checked_body,
+    positive,
+)
 from turnrl.gateway.openai_chat import error_body
 
 if TYPE_CHECKING:
@@ -132,17 +141,19 @@ def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def output_items(done: Completed) -> list[dict[str, Any]]:
-    """The reply as output items: reasoning, the message, then each function call."""
+def output_items(done: Completed, ids: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The reply as output items: reasoning, the message, then each function call (``ids``: the
+    reasoning's and the message's item ids, when a stream already named them)."""
     message = done.reply.message
+    ids = ids or _item_ids()
     items: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
         text = message["reasoning_content"]
-        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+        items.append({"type": "reasoning", "id": ids["reasoning"], "summary": [],
                       "content": [{"type": "reasoning_text", "text": text}]})  # fmt: skip
     if message.get("content"):
         part = {"type": "output_text", "text": message["content"], "annotations": [], "logprobs": []}
-        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
+        items.append({"type": "message", "id": ids["message"], "role": "assistant",
                       "status": "completed", "content": [part]})  # fmt: skip
     for call in message.get("tool_calls") or ():
         function = call["function"]
@@ -152,7 +163,33 @@ def output_items(done: Completed) -> list[dict[str, Any]]:
     return items
 
 
-def response(done: Completed, response_id: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+def _item_ids() -> dict[str, str]:
+    return {"reasoning": f"rs_{uuid.uuid4().hex}", "message": f"msg_{uuid.uuid4().hex}"}
+
+
+def _shell(response_id: str, model: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A response in progress: nothing output yet."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "status": "in_progress",
+        "incomplete_details": None,
+        "output": [],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [{"type": "function", **t["function"]} for t in tools or ()],
+        "usage": None,
+    }
+
+
+def response(
+    done: Completed,
+    response_id: str,
+    tools: list[dict[str, Any]] | None,
+    ids: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """The whole response."""
     cut = done.reply.finish_reason == "length"
     usage = {
@@ -162,52 +199,121 @@ def response(done: Completed, response_id: str, tools: list[dict[str, Any]] | No
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": int(time.time()),
-        "model": done.model,
+    return _shell(response_id, done.model, tools) | {
         "status": "incomplete" if cut else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-        "output": output_items(done),
-        "parallel_tool_calls": True,
-        "tool_choice": "auto",
-        "tools": [{"type": "function", **t["function"]} for t in tools or ()],
+        "output": output_items(done, ids),
         "usage": usage,
     }
 
 
-def events(done: Completed, response_id: str, tools: list[dict[str, Any]] | None) -> Iterator[str]:
-    """The response as its event stream: created; per output item its addition, its text or
-    arguments (delta and done) and its completion; then completed."""
-    whole = response(done, response_id, tools)
-    number = iter(range(1 << 30))
+class ResponseEvents:
+    """The response as its event stream, written as it comes (``streaming.Events``): created; per
+    output item its addition, its text (as sampled) or arguments (delta and done) and its
+    completion; then completed. ``finished`` is told the answer (the dialect remembers it)."""
 
-    def event(kind: str, **data: Any) -> str:
-        return (
-            f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(number), **data})}\n\n"
+    def __init__(
+        self, response_id: str, tools: list[dict[str, Any]] | None, finished: Callable[[Completed], None]
+    ) -> None:
+        self.response_id, self.tools, self.finished = response_id, tools, finished
+        self.ids = _item_ids()
+        self.number = iter(range(1 << 30))
+        self.output = 0  # the next item's index
+        self.writing: dict[str, Any] | None = None  # the message item whose text is being sent
+
+    def _event(self, kind: str, **data: Any) -> str:
+        body = {"type": kind, "sequence_number": next(self.number), **data}
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    def opening(self, begun: Begun) -> list[str]:
+        shell = _shell(self.response_id, begun.model, self.tools)
+        return [
+            self._event("response.created", response=shell),
+            self._event("response.in_progress", response=shell),
+        ]
+
+    def text(self, reasoning: str | None, delta: str) -> list[str]:
+        out: list[str] = []
+        if self.writing is None:
+            if reasoning:
+                out += self._item({"type": "reasoning", "id": self.ids["reasoning"], "summary": [],
+                                   "content": [{"type": "reasoning_text", "text": reasoning}]})  # fmt: skip
+            self.writing = {"type": "message", "id": self.ids["message"], "role": "assistant",
+                            "status": "in_progress", "content": []}  # fmt: skip
+            out.append(self._event("response.output_item.added", output_index=self.output, item=self.writing))
+            out.append(
+                self._event("response.content_part.added", **self._where(), content_index=0, part=_part(""))
+            )
+        return [
+            *out,
+            self._event(
+                "response.output_text.delta", **self._where(), content_index=0, delta=delta, logprobs=[]
+            ),
+        ]
+
+    def closing(self, done: Completed, reasoning: str | None, rest: str) -> list[str]:
+        self.finished(done)
+        whole = response(done, self.response_id, self.tools, self.ids)
+        out: list[str] = []
+        for item in whole["output"]:
+            if self.writing is not None and item["type"] == "reasoning":
+                continue  # sent with the first text
+            if self.writing is not None and item["type"] == "message":
+                out += self._finish_text(item, rest)
+            else:
+                out += self._item(item)
+        return [*out, self._event(f"response.{whole['status']}", response=whole)]
+
+    def failed(self, error: ApiError) -> list[str]:
+        return [self._event("error", **error_body(error)["error"])]
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.ids["message"], "output_index": self.output}
+
+    def _finish_text(self, item: dict[str, Any], rest: str) -> list[str]:
+        """The end of the message item whose text was streamed."""
+        where, part = self._where(), item["content"][0]
+        out = (
+            [self._event("response.output_text.delta", **where, content_index=0, delta=rest, logprobs=[])]
+            if rest
+            else []
         )
+        out.append(
+            self._event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[])
+        )
+        out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
+        out.append(self._event("response.output_item.done", output_index=self.output, item=item))
+        self.output += 1
+        return out
 
-    opening = whole | {"status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
-    yield event("response.created", response=opening)
-    yield event("response.in_progress", response=opening)
-    for i, item in enumerate(whole["output"]):
-        yield event("response.output_item.added", output_index=i, item=_opening(item))
+    def _item(self, item: dict[str, Any]) -> list[str]:
+        """A whole item: its addition, its text or arguments, its completion."""
+        i = self.output
+        out = [self._event("response.output_item.added", output_index=i, item=_opening(item))]
         where = {"item_id": item["id"], "output_index": i}
         if item["type"] == "message":
             part = item["content"][0]
-            empty = part | {"text": ""}
-            yield event("response.content_part.added", **where, content_index=0, part=empty)
             text = part["text"]
-            yield event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[])
-            yield event("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
-            yield event("response.content_part.done", **where, content_index=0, part=part)
+            out += [
+                self._event(
+                    "response.content_part.added", **where, content_index=0, part=part | {"text": ""}
+                ),
+                self._event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[]),
+                self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", **where, content_index=0, part=part),
+            ]
         elif item["type"] == "function_call":
             arguments = item["arguments"]
-            yield event("response.function_call_arguments.delta", **where, delta=arguments)
-            yield event("response.function_call_arguments.done", **where, arguments=arguments)
-        yield event("response.output_item.done", output_index=i, item=item)
-    yield event(f"response.{whole['status']}", response=whole)
+            out += [
+                self._event("response.function_call_arguments.delta", **where, delta=arguments),
+                self._event("response.function_call_arguments.done", **where, arguments=arguments),
+            ]
+        self.output += 1
+        return [*out, self._event("response.output_item.done", output_index=i, item=item)]
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def _opening(item: dict[str, Any]) -> dict[str, Any]:
@@ -242,11 +348,15 @@ class OpenAIResponses:
                 raise ApiError(404, f"previous response {earlier!r} not found", param="previous_response_id")
             name = name if call.named else owner
         asked = read_request(call.body, history)
-        done = await call.answer(name, asked)
         response_id = f"resp_{uuid.uuid4().hex}"
-        self.remember(response_id, name, [*asked.messages, done.reply.message])
+
+        def finished(done: Completed) -> None:
+            self.remember(response_id, name, [*asked.messages, done.reply.message])
+
         if asked.stream:
-            return events(done, response_id, asked.tools)
+            return await call.stream(name, asked, ResponseEvents(response_id, asked.tools, finished))
+        done = await call.answer(name, asked)
+        finished(done)
         return response(done, response_id, asked.tools)
 
     def remember(self, response_id: str, session: str, messages: list[dict[str, Any]]) -> None:

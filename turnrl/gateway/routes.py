@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from turnrl.gateway.call import ApiError, ChatRequest, Completed, Dialect, Incoming
 from turnrl.gateway.dialects import dialects
 from turnrl.gateway.server import Gateway
+from turnrl.gateway.streaming import Events, LiveResponse, ReplyStream, live_events
 from turnrl.support.errors import describe
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -63,8 +64,12 @@ def _endpoint(gateway: Gateway, dialect: Dialect) -> Callable[..., Awaitable[Res
             async def answer(name: str, asked: ChatRequest) -> Completed:
                 return await _answer(gateway, request, name, asked)
 
-            out = await dialect.serve(Incoming(body, name, session is not None or key is not None, answer))
-            return JSONResponse(out) if isinstance(out, dict) else _stream(out)
+            async def stream(name: str, asked: ChatRequest, events: Events) -> StreamingResponse:
+                return await _streamed(gateway, name, asked, events)
+
+            named = session is not None or key is not None
+            out = await dialect.serve(Incoming(body, name, named, answer, stream))
+            return JSONResponse(out) if isinstance(out, dict) else out
 
         return await _guarded(gateway, run, dialect.error_body, count=dialect.counted)
 
@@ -111,8 +116,23 @@ async def _answer(gateway: Gateway, request: Request, name: str, asked: ChatRequ
     raise ApiError(CLIENT_CLOSED, "the client closed the connection; the call was aborted")
 
 
-def _stream(events: Iterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream")
+async def _streamed(gateway: Gateway, name: str, asked: ChatRequest, events: Events) -> StreamingResponse:
+    """A streamed call's response, once the call is planned and generating (a call refused before
+    that raises its ``ApiError``, answered with its status like any other)."""
+    live = ReplyStream()
+    task = asyncio.ensure_future(gateway.answer(name, asked, live))
+    started = asyncio.ensure_future(live.started.wait())
+    try:
+        await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        started.cancel()
+    if not live.started.is_set():
+        task.result()  # its error
+        raise ApiError(500, "internal error: the call ended before it began", "server_error")
+    return LiveResponse(live_events(task, live, events, gateway.counts), task)
 
 
 async def _body(request: Request) -> Any:

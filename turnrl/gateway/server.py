@@ -17,16 +17,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from turnrl.chat.encoder import ChatEncoder, NoVisionError
-from turnrl.gateway.call import ApiError, ChatRequest, Completed
+from turnrl.gateway.call import ApiError, Begun, ChatRequest, Completed
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.messages import BadMessage, check_call_ids
 from turnrl.gateway.session import Plan, Reason, Reply, Session
 from turnrl.gateway.store import CallLog, call_record
+from turnrl.gateway.streaming import ReplyStream
 from turnrl.record.seeds import request_seed
 from turnrl.support.errors import describe
 from turnrl.tools.parser_base import ToolParser
 from turnrl.types import (
     CURRENT_TURN,
+    TOKEN_SINK,
     Engine,
     Generation,
     Sample,
@@ -144,9 +146,10 @@ class Gateway:
             message = f"the model {model!r} does not exist; {served} (any_model: true answers any name)"
             raise ApiError(404, message, code="model_not_found", param="model")
 
-    async def answer(self, name: str, request: ChatRequest) -> Completed:
+    async def answer(self, name: str, request: ChatRequest, live: ReplyStream | None = None) -> Completed:
         """Answer one call of session ``name``: ``request.n`` replies to its messages (the first on
-        the branch the call extends, each other one a branch of its own that says ``sample``)."""
+        the branch the call extends, each other one a branch of its own that says ``sample``).
+        ``live`` (a streamed call): the first reply's tokens go there as they are sampled."""
         self.check_model(request.model)
         self.check_tools(request.tools)
         for kind in request.dropped_tools:
@@ -164,8 +167,15 @@ class Gateway:
             sample = Sample(name, [])
             turn = TurnContext(sample, plan.branch.index, [*record.messages, *plan.added.messages], images)
             CURRENT_TURN.set(turn)  # what a scripted policy (or a judge) reads of the conversation
+            if live is not None:
+                conv = plan.branch.conv
+                template = conv.template
+                begun = Begun(self.model, len(prompt), cached)
+                live.begin(
+                    template.decode, template.decodes_piecewise, conv.streamed_text, session.parse, begun
+                )
             g0 = time.perf_counter()
-            gens = await self._generate(name, plan, prompt, sampling, images, request.n)
+            gens = await self._generate(name, plan, prompt, sampling, images, request.n, live)
             seconds = time.perf_counter() - g0
             replies = [self._commit(session, plan, gens[0], seconds)]
             for gen in gens[1:]:
@@ -187,8 +197,10 @@ class Gateway:
         sampling: SamplingParams,
         images: list[Any],
         n: int,
+        live: ReplyStream | None = None,
     ) -> list[Generation]:
-        """``n`` generations of ``prompt`` (seeds apart), concurrently on the engine."""
+        """``n`` generations of ``prompt`` (seeds apart), concurrently on the engine; the first one's
+        tokens go to ``live`` as they are sampled."""
         where = f"{name}/{plan.branch.index}"
         session = self.sessions[name]
 
@@ -200,12 +212,13 @@ class Gateway:
         engine = session.engine or self.engine
         await self._open.wait()
         self._generating += 1
+
+        async def one(k: int) -> Generation:  # its own task (gather's): the sink is the first one's only
+            TOKEN_SINK.set(live.push if live is not None and k == 0 else None)
+            return await engine.generate(prompt, seeded(k), images, session=where)
+
         try:
-            return list(
-                await asyncio.gather(
-                    *(engine.generate(prompt, seeded(k), images, session=where) for k in range(n))
-                )
-            )
+            return list(await asyncio.gather(*(one(k) for k in range(n))))
         except asyncio.CancelledError:
             self.counts["aborted"] += 1
             raise
@@ -306,6 +319,7 @@ class Gateway:
             f"turnrl_gateway_calls_total {self.counts['calls']}",
             f"turnrl_gateway_errors_total {self.counts['errors']}",
             f"turnrl_gateway_aborted_total {self.counts['aborted']}",
+            f"turnrl_gateway_stream_diverged_total {self.counts['stream_diverged']}",
             f"turnrl_gateway_unauthorized_total {self.counts['unauthorized']}",
             f'turnrl_gateway_tokens_total{{kind="prompt"}} {self.counts["prompt_tokens"]}',
             f'turnrl_gateway_tokens_total{{kind="completion"}} {self.counts["completion_tokens"]}',

@@ -348,12 +348,15 @@ class Session:
         )
         return reply
 
-    def _reply(self, text: str, gen: Generation, branch: Branch) -> Reply:
+    def parse(self, text: str) -> ParseResult:
+        """A reply's text as content, reasoning and tool calls (the gateway's parser, else reasoning only)."""
         if self.parser is not None:
-            parsed = self.parser.parse(text)
-        else:
-            visible, reasoning = split_reasoning(text)
-            parsed = ParseResult(content=visible.strip(), reasoning=reasoning)
+            return self.parser.parse(text)
+        visible, reasoning = split_reasoning(text)
+        return ParseResult(content=visible.strip(), reasoning=reasoning)
+
+    def _reply(self, text: str, gen: Generation, branch: Branch) -> Reply:
+        parsed = self.parse(text)
         ids = [f"call_{branch.index}_{branch.calls}_{k}" for k in range(len(parsed.calls))]
         finish = "tool_calls" if parsed.calls and gen.finish_reason == "stop" else str(gen.finish_reason)
         message = reply_message(parsed.content, parsed.reasoning.strip(), parsed.calls, ids)

@@ -23,7 +23,7 @@ from turnrl.engines.hf.requests import Request, WeightUpdate
 from turnrl.engines.hf.scheduler import Scheduler
 from turnrl.engines.weights import load_state_dict
 from turnrl.support.openmp import release_pool
-from turnrl.types import EngineError, Generation, SamplingParams, Weights
+from turnrl.types import TOKEN_SINK, EngineError, Generation, SamplingParams, Weights
 from turnrl.vision.processor import ImageInput, ImageTokenError, VisionProcessor, as_image_inputs
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ class HFEngine:
         """Sample a continuation of ``prompt_ids``; concurrent calls share decode steps."""
         release_pool()  # this thread hands the cores to the engine's worker (``turnrl.support.openmp``)
         request = self._make_request(list(prompt_ids), sampling, images)
-        request.session = session
+        request.session, request.sink = session, TOKEN_SINK.get()
         if request.max_new_tokens <= 0:
             return Generation([], [], "length", {"prompt_tokens": len(request.prompt_ids)})
         self._scheduler.submit(request)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from turnrl.types import FinishReason, Generation, SamplingParams
+from turnrl.types import FinishReason, Generation, SamplingParams, TokenSink
 from turnrl.vision.processor import ImageInput
 
 
@@ -33,12 +33,16 @@ class Request:
     images: list[ImageInput] = field(default_factory=list)  # the prompt's images, in order
     session: str | None = None  # the trajectory it belongs to (its KV may be kept for the next turn)
     rope_delta: int = 0  # multimodal RoPE: text positions after images are shifted by this much
+    sink: TokenSink | None = None  # the caller's streamed call: each token as it is sampled
 
     def add_token(self, token: int, logprob: float, version: int) -> FinishReason | None:
         """Record a sampled token; the finish reason when it ends the generation."""
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if self.sink is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading any more
+                self.loop.call_soon_threadsafe(self.sink, (token,))
         if token in self.stop_ids:
             return "stop"
         return "length" if len(self.token_ids) >= self.max_new_tokens else None
