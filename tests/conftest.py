@@ -62,6 +62,7 @@ NOT_QUICK = frozenset(
         "test_interactions",
         "test_isolation",
         "test_judge",
+        "test_learning_gateway",
         "test_parser_fuzz",
         "test_ray_engines",
         "test_recovery",

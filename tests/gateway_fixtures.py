@@ -3,6 +3,7 @@ agent's tools and replies, and the exactness check."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -83,6 +84,42 @@ def serving(gateway: Gateway) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def served(gateway: Any, app: Any = None) -> Iterator[tuple[str, asyncio.AbstractEventLoop]]:
+    """The gateway (``app``: its routes, default ``make_app(gateway)``) on a loopback port, served by
+    a loop of this test's own: its URL and that loop."""
+    app = app or make_app(gateway)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the gateway did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", loop
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        loop.close()
+
+
+class Timed(Recorder):
+    """The recorder, with the moment each generation returned."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.ended: list[float] = []
+
+    async def generate(
+        self, prompt_ids: Any, sampling: SamplingParams, images: Any = (), *, session: Any = None
+    ) -> Generation:
+        gen = await super().generate(prompt_ids, sampling, images, session=session)
+        self.ended.append(time.monotonic())
+        return gen
 
 
 def gateway_for(engine: Any, tokenizer: Any, tmp_path: Path, **config: Any) -> Gateway:

@@ -4,28 +4,23 @@ each API's events, and what the client was shown is what the session keeps and t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
-import uvicorn
-from gateway_fixtures import Recorder, assert_exact, gateway_for, serving
+from gateway_fixtures import Timed, assert_exact, gateway_for, served, serving
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
 
 from turnrl.gateway.call import Begun
 from turnrl.gateway.messages import reply_message
-from turnrl.gateway.routes import make_app
 from turnrl.gateway.streaming import ReplyStream, held_back
 from turnrl.tools.parsers import get_parser
-from turnrl.types import Generation, SamplingParams
 
 
 def chars(text: str) -> list[int]:
@@ -100,40 +95,6 @@ def test_what_is_shown_and_the_rest_make_the_reply_unless_a_reasoning_tag_follow
     else:  # the model wrote a reasoning tag after text that was shown as content
         assert "think>" in text and rest == ""
         assert message["content"] == (shown or None)
-
-
-@contextlib.contextmanager
-def served(gateway: Any) -> Iterator[tuple[str, asyncio.AbstractEventLoop]]:
-    """The gateway on a loopback port, served by a loop of this test's own: its URL and that loop."""
-    server = uvicorn.Server(uvicorn.Config(make_app(gateway), host="127.0.0.1", port=0, log_level="warning"))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the gateway did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", loop
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        loop.close()
-
-
-class Timed(Recorder):
-    """The recorder, with the moment each generation returned."""
-
-    def __init__(self, engine: Any) -> None:
-        super().__init__(engine)
-        self.ended: list[float] = []
-
-    async def generate(
-        self, prompt_ids: Any, sampling: SamplingParams, images: Any = (), *, session: Any = None
-    ) -> Generation:
-        gen = await super().generate(prompt_ids, sampling, images, session=session)
-        self.ended.append(time.monotonic())
-        return gen
 
 
 @pytest.fixture(scope="module")

@@ -335,6 +335,45 @@ async def test_token_ids_and_logprobs_match_a_forward_pass(
     assert greedy.versions == [0] * len(greedy.token_ids)
 
 
+def test_a_streamed_gateway_call_shows_vllms_tokens_as_they_arrive(
+    servers: Any, smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    """The gateway over a vLLM server: a streamed reply's first text reaches the client before
+    vLLM has sampled the whole reply, the text shown is the session's message, and the branch holds
+    exactly the tokens vLLM sampled."""
+    from gateway_fixtures import Timed, assert_exact, served
+    from openai import OpenAI
+
+    from turnrl.chat.encoder import ChatEncoder
+    from turnrl.gateway import GatewayConfig
+    from turnrl.gateway.server import Gateway
+    from turnrl.gateway.store import CallLog
+
+    engine = VLLMServerEngine(
+        servers.servers[0].url, eos_token_ids=[smollm2_tokenizer.eos_token_id], timeout_s=120
+    )
+    timed = Timed(engine)
+    sampling = {"max_tokens": 96, "temperature": 1.0, "seed": 5}
+    config = GatewayConfig.model_validate(
+        {"model": "smollm2", "output_dir": str(tmp_path), "sampling": sampling}
+    )
+    gateway = Gateway(timed, ChatEncoder(smollm2_tokenizer), None, config, CallLog(tmp_path))
+    with served(gateway) as (url, loop):
+        client = OpenAI(base_url=f"{url}/v1", api_key="streamer")
+        messages = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+        got = []
+        for chunk in client.chat.completions.create(model="smollm2", messages=messages, stream=True):  # type: ignore[arg-type]
+            if chunk.choices and chunk.choices[0].delta.content:
+                got.append((time.monotonic(), chunk.choices[0].delta.content))
+        client.close()
+        asyncio.run_coroutine_threadsafe(engine.close(), loop).result(30)
+    assert len(timed.ended) == 1 and len(got) >= 2
+    assert got[0][0] < timed.ended[0]  # shown while vLLM was still sampling
+    branch = gateway.sessions["streamer"].branches[0]
+    assert "".join(text for _, text in got) == branch.seen[-1]["content"]
+    assert_exact(branch.trajectory("streamer"), timed.seen)
+
+
 async def test_weights_update_in_place_exactly_and_stamp_their_version(
     client: VLLMServerEngine, smollm2: Any, smollm2_tokenizer: Any
 ) -> None:

@@ -24,7 +24,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, Impor
 TRAIN_SECTIONS = ("algorithm", "optim", "train", "eval", "warm_start")
 GATEWAY_ONLY = {  # top-level keys of a gateway config that no run config has
     *("host", "port", "any_model", "api_keys", "api_keys_file", "served_name"),
-    *("max_session_tokens", "max_session_calls", "tool_parser"),
+    *("max_session_tokens", "max_session_calls", "tool_parser", "learn"),
 }
 
 
@@ -118,10 +118,10 @@ def _gateway(args: argparse.Namespace, console: Console) -> int:
 
     config = load_gateway_config(args.config, args.set)
     _demo_model_for(config.model, console)
-    if not args.overwrite:
+    if not args.overwrite and not args.resume:
         out = _fresh(config.output_dir, functools.partial(holds_run, kind=GATEWAY), console)
         config = config.model_copy(update={"output_dir": out})
-    asyncio.run(serve(config, overwrite=args.overwrite, console=console))
+    asyncio.run(serve(config, overwrite=args.overwrite, console=console, resume=args.resume))
     return 0
 
 
@@ -212,6 +212,7 @@ def _config(args: argparse.Namespace, console: Console) -> int:
     from pydantic import BaseModel
 
     from turnrl.app.config_docs import field_docs, render
+    from turnrl.app.learning import LearningGatewayConfig
     from turnrl.config import RunConfig, dump_config, load_model_config, read_yaml_mapping
     from turnrl.gateway.config import GatewayConfig
     from turnrl.train.config import TrainConfig
@@ -224,6 +225,8 @@ def _config(args: argparse.Namespace, console: Console) -> int:
             name = "train"
         elif "env" not in keys and keys & GATEWAY_ONLY:  # a `turnrl gateway` config has no env
             name = "gateway"
+        if name == "gateway" and "learn" in keys:
+            kinds["gateway"] = LearningGatewayConfig
     kind = kinds[name]
     if args.config:
         resolved = load_model_config(args.config, kind, args.set)
@@ -266,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("config", help="YAML gateway config (model, engine, sampling, output_dir, port)")
     gw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     gw.add_argument("--overwrite", action="store_true", help="replace the calls in output_dir")
+    gw.add_argument("--resume", action="store_true", help="go on in output_dir, from its checkpoint")
     gw.set_defaults(func=_gateway)
     srv = sub.add_parser("serve", help="start this node's engines on Ray and register them", add_help=False)
     srv.add_argument("serve_args", nargs=argparse.REMAINDER, help="see `turnrl serve --help`")
@@ -298,9 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--keep", help="keep each check's folders under this folder (default: removed)")
     tasks.add_argument("--out", help="also write one JSON line per task here (with the tests' output)")
     tasks.set_defaults(func=_check_tasks)
-    demo = sub.add_parser(
-        "demo-model", help="build smollm2-135m-play: SmolLM2 warm-started on the example envs (offline)"
-    )
+    demo = sub.add_parser("demo-model", help="build smollm2-135m-play: SmolLM2 warm-started (offline)")
     demo.set_defaults(func=_demo_model)
     cfg = sub.add_parser(
         "config", help="show a resolved config, and every key with its type, default and doc"

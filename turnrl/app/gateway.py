@@ -7,17 +7,21 @@ tool-call parser follow the model's chat template; every completed call is appen
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 
 from turnrl.app.engines import build_engine
+from turnrl.app.learning import LEARN_DIR, Learning, LearningGatewayConfig
 from turnrl.app.output import GATEWAY, open_output, start_output
 from turnrl.app.parts import build_encoder, template_parser
 from turnrl.app.run import SERVERS
-from turnrl.config import load_model_config
+from turnrl.config import load_model_config, read_yaml_mapping
 from turnrl.gateway.config import GatewayConfig
+from turnrl.gateway.rewards import RewardDesk
+from turnrl.gateway.routes import make_app
 from turnrl.gateway.server import Gateway
 from turnrl.gateway.serving import GatewayServer
 from turnrl.gateway.serving import serve as serve_gateway
@@ -26,8 +30,10 @@ from turnrl.support.run_folder import drop_aside, put_back, release
 
 
 def load_gateway_config(path: str | Path, overrides: list[str] | None = None) -> GatewayConfig:
-    """Read a gateway config, apply ``--set`` overrides, validate."""
-    return load_model_config(path, GatewayConfig, overrides)
+    """Read a gateway config, apply ``--set`` overrides, validate (one with a ``learn`` section: a
+    learning gateway's)."""
+    learns = "learn" in read_yaml_mapping(path) or any(o.startswith("learn.") for o in overrides or ())
+    return load_model_config(path, LearningGatewayConfig if learns else GatewayConfig, overrides)
 
 
 def build_gateway(config: GatewayConfig, console: Console) -> Gateway:
@@ -44,17 +50,31 @@ async def serve(
     overwrite: bool = False,
     console: Console | None = None,
     ready: Callable[[str], None] | None = None,
+    resume: bool = False,
 ) -> None:
-    """Serve until stopped (Ctrl-C, SIGTERM); ``ready`` gets the base URL once it listens."""
+    """Serve until stopped (Ctrl-C, SIGTERM); ``ready`` gets the base URL once it listens. A learning
+    gateway (``learn``) also takes rewards and trains in the background; ``resume``: on the folder
+    of an earlier one, from its checkpoint and the rewards it had not trained on."""
     console = console or Console(stderr=True)
     out = Path(config.output_dir)
-    open_output(out, GATEWAY, config, overwrite, resume=False)
+    open_output(out, GATEWAY, config, overwrite, resume=resume)
     try:
-        start_output(out, GATEWAY, config, resume=False)
+        start_output(out, GATEWAY, config, resume=resume)
         gateway = build_gateway(config, console)
         served: GatewayServer | None = None
+        learning: Learning | None = None
+        learner: asyncio.Task[None] | None = None
         try:
-            served = await serve_gateway(gateway, config.host, config.port, signals=True)
+            app = None
+            if isinstance(config, LearningGatewayConfig):
+                desk = RewardDesk(gateway, out / LEARN_DIR, config.learn.expire_s)
+                learning = Learning(config, gateway, desk, console, resume)
+                await learning.start()
+                app = make_app(gateway, desk, [learning.metrics])
+            served = await serve_gateway(gateway, config.host, config.port, signals=True, app=app)
+            if learning is not None:
+                learner = asyncio.create_task(learning.run())
+                console.print(f"learning from rewards posted to {served.url}/v1/rewards")
             url = served.url
             console.print(f"serving {gateway.model} at {url}/v1 (a session per API key, or {url}/s/NAME/v1)")
             console.print(f"writing {out / 'calls.jsonl'}")
@@ -67,6 +87,12 @@ async def serve(
                 ready(url)
             await served.task
         finally:
+            if learner is not None:
+                learner.cancel()
+                await asyncio.gather(learner, return_exceptions=True)
+            if learning is not None:
+                learning.close()
+                learning.desk.close()
             if served is not None:
                 await served.close()
             if gateway.log is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from turnrl.gateway.call import ApiError, ChatRequest, Completed, Dialect, Incoming
 from turnrl.gateway.dialects import dialects
+from turnrl.gateway.openai_chat import error_body
+from turnrl.gateway.rewards import RewardDesk
 from turnrl.gateway.server import Gateway
 from turnrl.gateway.streaming import Events, LiveResponse, ReplyStream, live_events
 from turnrl.support.errors import describe
@@ -33,9 +35,12 @@ CLIENT_CLOSED = 499  # nginx's status for a request its client abandoned (nobody
 ErrorBody = Callable[[ApiError], dict[str, Any]]
 
 
-def make_app(gateway: Gateway) -> FastAPI:
+def make_app(
+    gateway: Gateway, rewards: RewardDesk | None = None, metrics: Sequence[Callable[[], list[str]]] = ()
+) -> FastAPI:
     """The FastAPI application serving ``gateway``: every dialect of ``dialects.DIALECTS`` at its
-    paths, at the root and under ``/s/{session}``, plus ``/v1/models`` and ``/metrics``."""
+    paths, at the root and under ``/s/{session}``, plus ``/v1/models`` and ``/metrics`` (with the
+    lines of each of ``metrics``); with ``rewards`` (a learning gateway), ``POST /v1/rewards``."""
     app = FastAPI(title="turnrl gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
     def models() -> dict[str, Any]:
@@ -47,8 +52,25 @@ def make_app(gateway: Gateway) -> FastAPI:
         for dialect in served:
             for path in dialect.paths:
                 app.post(f"{prefix}{path}")(_endpoint(gateway, dialect))
-    app.get("/metrics")(lambda: PlainTextResponse(gateway.metrics()))
+    extra = [*metrics, rewards.metrics] if rewards is not None else list(metrics)
+    app.get("/metrics")(
+        lambda: PlainTextResponse(gateway.metrics() + "".join(f"{line}\n" for m in extra for line in m()))
+    )
+    if rewards is not None:
+        app.post("/v1/rewards")(_rewards_endpoint(gateway, rewards))
     return app
+
+
+def _rewards_endpoint(gateway: Gateway, rewards: RewardDesk) -> Callable[..., Awaitable[Response]]:
+    """``POST /v1/rewards``: one session's reward (errors in the OpenAI schema)."""
+
+    async def endpoint(request: Request) -> Response:
+        async def run() -> Response:
+            return JSONResponse(rewards.post(await _body(request), _key(request)))
+
+        return await _guarded(gateway, run, error_body, count=False)
+
+    return endpoint
 
 
 def _endpoint(gateway: Gateway, dialect: Dialect) -> Callable[..., Awaitable[Response]]:

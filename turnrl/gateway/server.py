@@ -92,6 +92,11 @@ class Gateway:
         self._locks.pop(name, None)
         return self.sessions.pop(name, None)
 
+    def busy(self, name: str) -> bool:
+        """Whether a call of session ``name`` is being answered now."""
+        lock = self._locks.get(name)
+        return lock is not None and lock.locked()
+
     def authorize(self, session: str | None, key: str | None, default: str) -> str:
         """The session a call may write to, given the session its URL names and its API key, or a 401.
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
 from turnrl.gateway.routes import make_app
 from turnrl.gateway.server import Gateway
@@ -55,11 +56,13 @@ async def serve(
     port: int = 0,
     unix: Path | None = None,
     signals: bool = False,
+    app: FastAPI | None = None,
 ) -> GatewayServer:
     """Serve ``gateway`` at ``host``:``port`` (0: a free port) in this loop (and on the Unix socket
     ``unix``, which sandboxed runs reach it by); returns once it listens. ``signals``: Ctrl-C and
-    SIGTERM stop the server (else they are the run's it serves inside)."""
-    config = uvicorn.Config(make_app(gateway), host, port, log_level="warning", lifespan="off")
+    SIGTERM stop the server (else they are the run's it serves inside). ``app``: the routes to serve
+    (default: ``make_app(gateway)``)."""
+    config = uvicorn.Config(app or make_app(gateway), host, port, log_level="warning", lifespan="off")
     logging.getLogger("uvicorn.error").addFilter(_QUIET)  # no-op when it is there already
     server = uvicorn.Server(config) if signals else _Server(config)
     try:

@@ -14,6 +14,7 @@ compute them once.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -223,6 +224,7 @@ class Session:
         # run its sample and group member, so that the run, made again, samples the same
         self.seed_key = name
         self.over_budget = False  # a call was refused past the call budget
+        self.updated = time.monotonic()  # when it was made, or its last call was answered
 
     @property
     def calls(self) -> int:
@@ -318,6 +320,7 @@ class Session:
         """Append the planned tokens and the sampled reply to the branch (a new one joins the session)."""
         branch = plan.branch
         record = branch.episode.record
+        self.updated = time.monotonic()
         if plan.new:
             self.branches.append(branch)
         text, last = branch.conv.assistant_text(gen.token_ids)

@@ -346,3 +346,49 @@ def load_train_config(
     """Read a YAML train config, apply ``--set`` overrides, validate (for ``purpose`` "eval":
     without what only training needs, such as an engine whose weights it updates)."""
     return load_model_config(path, TrainConfig, overrides, {"purpose": purpose})
+
+
+class HoldBackConfig(_Strict):
+    """A held-out check after each learning step: new weights that score worse are not served."""
+
+    data: DataConfig
+    """The held-out prompts (each row's ``prompt``: the messages a call sends)."""
+    reward: str
+    """``module:function`` scoring one reply: fn(prompt_messages, reply_text, row) -> float."""
+    margin: float = Field(0.1, ge=0)
+    """New weights whose mean held-out reward is more than this below the served weights' are held
+    back: the gateway keeps serving the last good ones, and the learner goes on from those."""
+    max_tokens: int = Field(64, ge=1)
+    """Tokens per held-out reply."""
+
+
+class LearnConfig(_Strict):
+    """How a learning gateway trains the model it serves, from the rewards its users give."""
+
+    sessions_per_step: int = Field(8, ge=1)
+    """Rewarded sessions a step trains on (a step starts once this many are ready)."""
+    baseline_decay: float = Field(0.9, ge=0, lt=1)
+    """Each task's baseline is a running mean of its rewards: ``b = decay * b + (1 - decay) * r``
+    after each reward; a session's advantage is its reward minus its task's baseline before it (a
+    task's first reward is measured against the mean baseline of every task so far, 0 at first)."""
+    expire_s: float = Field(3600.0, gt=0)
+    """A session with no reward this long after its last call is dropped (counted, never trained)."""
+    algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig(max_staleness=4))
+    """The loss and its importance correction; ``max_staleness``: a session whose tokens are older than
+    this many weight versions is not trained on (counted). ``advantage`` is not read: the baseline is."""
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """The optimizer."""
+    train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    """The update's sizes and precision (``micro_batch_tokens``, ``ppo_epochs``, ``mini_batches``,
+    ``precision``, ``save_every``, ``keep_checkpoints``); ``steps`` and ``prompts_per_step`` are not
+    read (a step starts when rewards are ready)."""
+    hold_back: HoldBackConfig | None = None
+    """A held-out check that keeps a worse step from being served (None: every step is served)."""
+
+    @model_validator(mode="after")
+    def _one_process(self) -> LearnConfig:
+        if self.train.overlap or self.train.fsdp or self.train.oversample_groups:
+            raise ValueError("learn.train: overlap, fsdp and oversample_groups are for turnrl train")
+        if self.optim.lora is not None:
+            raise ValueError("learn.optim.lora: a learning gateway trains the whole model (set trainable)")
+        return self

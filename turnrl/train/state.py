@@ -45,7 +45,9 @@ class Run:
     @property
     def config(self) -> TrainConfig:
         """The run's config."""
-        return self.learner.config
+        config = self.learner.config
+        assert isinstance(config, TrainConfig), "a training run's learner holds its TrainConfig"
+        return config
 
     @property
     def ranks(self) -> Ranks:

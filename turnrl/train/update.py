@@ -11,24 +11,38 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from turnrl.support.openmp import release_pool
 from turnrl.train.batch import Batch
-from turnrl.train.config import TrainConfig
+from turnrl.train.config import AlgorithmConfig, OptimConfig, TrainLoopConfig
 from turnrl.train.data_parallel import SINGLE, Ranks, clip_gradients, sum_across, sum_gradients
 from turnrl.train.fsdp import ShardedPolicy, agree_on_sharing, pad_batches
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.loss import LossInputs, importance_stats, policy_loss
+from turnrl.types import SamplingParams
+
+
+class UpdateSections(Protocol):
+    """The config sections the update reads (a ``TrainConfig``'s, or a learning gateway's)."""
+
+    @property
+    def algorithm(self) -> AlgorithmConfig: ...
+    @property
+    def optim(self) -> OptimConfig: ...
+    @property
+    def train(self) -> TrainLoopConfig: ...
+    @property
+    def sampling(self) -> SamplingParams: ...
 
 
 @dataclass
 class Learner:
     """What the update works on: the policy, its optimizer and where it runs."""
 
-    config: TrainConfig
+    config: UpdateSections  # a TrainConfig under turnrl train
     policy: Any  # the trained model (float32, dropout off)
     ref: Any | None  # frozen reference for the KL term
     tokenizer: Any
