@@ -104,13 +104,14 @@ def test_every_config_key_has_its_doc_in_config_show() -> None:
     """`turnrl config show --schema` gives every key of every config a doc line (a test walks the
     schemas: rollout, train with its algorithm/optim/train/eval sections, gateway)."""
     from turnrl.app.config_docs import field_docs
+    from turnrl.app.learning import LearningGatewayConfig
     from turnrl.config import RunConfig
     from turnrl.gateway.config import GatewayConfig
     from turnrl.train.config import TrainConfig
 
     undocumented = [
         f"{cls.__name__}: {doc.key}"
-        for cls in (RunConfig, TrainConfig, GatewayConfig)
+        for cls in (RunConfig, TrainConfig, GatewayConfig, LearningGatewayConfig)
         for doc in field_docs(cls)
         if not doc.doc.strip()
     ]
@@ -130,6 +131,18 @@ def test_config_show_reads_a_gateway_config(tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith(f"# {config} as `turnrl gateway` reads it")
     assert "any_model: true" in shown.stdout and "max_session_tokens: 32768" in shown.stdout
+    learning = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "turnrl"),
+            "config",
+            "show",
+            str(REPO / "examples/learn/gateway.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert learning.returncode == 0, learning.stderr
+    assert "sessions_per_step: 8" in learning.stdout and "max_staleness: 4" in learning.stdout
 
 
 def test_every_block_that_names_a_shipped_file_is_that_file() -> None:

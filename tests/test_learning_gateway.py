@@ -24,7 +24,7 @@ from gateway_fixtures import served
 from openai import OpenAI
 from rich.console import Console
 
-from turnrl.app.learning import Learning, LearningGatewayConfig
+from turnrl.app.learning import Baselines, Learning, LearningGatewayConfig
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.gateway.rewards import LEARNED, REWARDED, RewardDesk
 from turnrl.gateway.routes import make_app
@@ -38,6 +38,12 @@ HELD_OUT_SCORES: list[float] = []  # what the held-out reward below answers, in 
 def held_out_reward(sample: Any, reply: str) -> float:
     """A held-out reward that says what the test wants: the served weights' score, then the new."""
     return HELD_OUT_SCORES.pop(0) if HELD_OUT_SCORES else 0.0
+
+
+def session_reward(messages: list[dict[str, Any]]) -> float | None:
+    """A reward function over a finished session: by its first user message."""
+    asked = messages[0]["content"]
+    return {"score me": 0.75, "leave me": None, "broken": float("inf")}[asked]
 
 
 def learning_gateway(
@@ -85,6 +91,15 @@ def until(check: Any, timeout_s: float = 120, what: str = "") -> None:
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def test_each_task_is_measured_against_its_own_running_mean() -> None:
+    baselines = Baselines(0.5)
+    assert baselines.advantage("a", 1.0) == 1.0  # nothing seen yet: against 0
+    assert baselines.advantage("a", 1.0) == 0.5  # a's baseline is 0.5 now, then 0.75
+    assert baselines.advantage("b", 0.0) == -0.75  # a new task: against every task's mean
+    assert baselines.advantage("a", 0.0) == -0.75  # b's rewards do not move a's baseline
+    assert baselines.values == {"a": 0.375, "b": 0.375}
 
 
 def test_rewards_train_the_served_model_and_stale_sessions_are_left_out(
@@ -148,6 +163,26 @@ def test_bad_rewards_are_refused_counted_and_never_trained(
     assert [t[0].branch.session for t in desk.ready if t[0].branch] == ["kept"]  # only the good one waits
     rewarded = (tmp_path / "learn" / REWARDED).read_text().splitlines()
     assert [json.loads(line)["reward"] for line in rewarded] == [0.5]
+
+
+def test_a_reward_function_scores_finished_sessions(
+    tiny_qwen3_dir: Path, qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    gateway, desk, learning = learning_gateway(
+        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, reward=f"{__name__}:session_reward", finished_s=0.4,
+        sessions_per_step=4,
+    )  # fmt: skip
+    with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
+        task = asyncio.run_coroutine_threadsafe(learning.run(), loop)
+        for name in ("score me", "leave me", "broken"):
+            chat(url, name.replace(" ", "-"), name)
+        until(lambda: metric(url, "turnrl_learn_rewards_total") == 1, what="the finished session scored")
+        time.sleep(1.0)  # more rounds of the learner: nothing else is scored
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        task.cancel()
+    assert [(t[0].branch.session, t[0].reward) for t in desk.ready if t[0].branch] == [("score-me", 0.75)]
+    assert 'turnrl_learn_rewards_refused_total{reason="scored"} 1' in text
+    assert set(gateway.sessions) == {"leave-me", "broken"}  # left for a reward over HTTP, or expiry
 
 
 def test_a_step_that_scores_worse_on_held_out_prompts_is_held_back(

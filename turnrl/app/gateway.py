@@ -87,11 +87,8 @@ async def serve(
                 ready(url)
             await served.task
         finally:
-            if learner is not None:
-                learner.cancel()
-                await asyncio.gather(learner, return_exceptions=True)
             if learning is not None:
-                learning.close()
+                await learning.stop(learner)
                 learning.desk.close()
             if served is not None:
                 await served.close()

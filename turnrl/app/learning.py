@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from pydantic import model_validator
 from rich.console import Console
+from transformers.utils import logging as hf_logging
 
 from turnrl.app.parts import load_samples
 from turnrl.config import HFEngineConfig
@@ -72,6 +73,7 @@ class LearningGatewayConfig(GatewayConfig):
 
 
 LEARN_DIR = "learn"
+STOP_WAIT_S = 120.0  # at most this long for an update under way when the gateway stops
 CHECKPOINT = "checkpoint"
 
 
@@ -120,6 +122,7 @@ class Learning:
         saved = self.folder / CHECKPOINT
         resumed = resume and (saved / "state.pt").is_file()
         device = config.engine.device if isinstance(config.engine, HFEngineConfig) else "cpu"
+        hf_logging.disable_progress_bar()  # checkpoints are saved while serving: no bars in its log
         policy = load_model(str(saved / "model") if resumed else config.model, device=device)
         trainable_parameters(policy, learn.optim.trainable)
         params = [p for p in policy.parameters() if p.requires_grad]
@@ -138,6 +141,7 @@ class Learning:
         self.held_out = load_samples(learn.hold_back.data, None) if learn.hold_back else []
         self.served_score: float | None = None
         self._metrics = JsonlWriter(self.folder / "metrics.jsonl")
+        self._updating: asyncio.Future[dict[str, float]] | None = None  # the update thread of a step
         if resumed:
             self._restore(saved)
 
@@ -157,8 +161,11 @@ class Learning:
         """Learn for as long as the gateway serves: a step whenever enough rewarded sessions are
         ready; sessions past ``expire_s`` without a reward dropped meanwhile."""
         learn = self.config.learn
-        every = min(5.0, learn.expire_s / 4)
+        every = min(5.0, learn.expire_s / 4, learn.finished_s / 4 if learn.reward else 5.0)
+        score = import_object(learn.reward, "learn.reward") if learn.reward else None
         while True:
+            if score is not None:
+                await self.desk.score_finished(score, learn.finished_s)
             self.desk.expire()
             while len(self.desk.ready) >= learn.sessions_per_step:
                 try:
@@ -200,7 +207,8 @@ class Learning:
             )
             batches = [part.to(policy.device) for part in parts]
             kept = {k: v.detach().clone() for k, v in policy.state_dict().items()} if self.held_out else None
-            metrics = await asyncio.to_thread(update, self.learner, batches, tokens)
+            self._updating = asyncio.ensure_future(asyncio.to_thread(update, self.learner, batches, tokens))
+            metrics = await asyncio.shield(self._updating)
             if await self._worse(kept):
                 policy.load_state_dict(kept)
             else:
@@ -314,8 +322,17 @@ class Learning:
         self.counts.update(state["counts"])
         self.console.print(f"learn: resumed at step {self.step} ({len(self.trained)} sessions trained on)")
 
-    def close(self) -> None:
-        """Close the metrics file."""
+    async def stop(self, task: asyncio.Task[None] | None) -> None:
+        """Stop learning (``task``: its ``run``): an update under way ends first (its thread cannot be
+        stopped midway; bounded by ``STOP_WAIT_S``), then the metrics file is closed."""
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._updating is not None and not self._updating.done():
+            self.console.print("learn: stopping once the update under way ends")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_WAIT_S):
+                    await asyncio.gather(self._updating, return_exceptions=True)
         self._metrics.close()
 
 

@@ -22,7 +22,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,7 @@ class RewardDesk:
         self.expired: set[str] = set()
         self.counts: Counter[str] = Counter()  # rewards, refused by reason, expired, learned
         self.arrived = asyncio.Event()  # a reward came since the learner last looked
+        self._scored: set[str] = set()  # sessions the reward function was asked about
         self._rewarded = JsonlWriter(folder / REWARDED)
         self._learned = JsonlWriter(folder / LEARNED)
 
@@ -107,9 +108,15 @@ class RewardDesk:
             raise ApiError(
                 400, f"branch must be one of 0..{len(session.branches) - 1}", param="branch", code="invalid"
             )
-        trajs = [b.trajectory(name) for b in session.branches if branch is None or b.index == branch]
         task = body.get("task")
-        task = str(task) if task is not None else _first_user_message(trajs[0])
+        return self._accept(name, float(reward), branch, str(task) if task is not None else None)
+
+    def _accept(self, name: str, reward: float, branch: int | None, task: str | None) -> dict[str, Any]:
+        """Keep session ``name``'s reward (its ``branch`` only, when given): its branches as
+        trajectories, on disk, ready; the session closed."""
+        session = self.gateway.sessions[name]
+        trajs = [b.trajectory(name) for b in session.branches if branch is None or b.index == branch]
+        task = task if task is not None else _first_user_message(trajs[0])
         for traj in trajs:
             traj.reward, traj.group_id = float(reward), task
         train_once(trajs)
@@ -121,6 +128,28 @@ class RewardDesk:
         self.counts["rewards"] += 1
         self.arrived.set()
         return {"session": name, "reward": float(reward), "task": task, "branches": len(trajs)}
+
+    async def score_finished(self, score: Callable[[list[Any]], Any], after_s: float) -> list[str]:
+        """Score each session that has had no call for ``after_s`` with ``score`` (run in a thread:
+        a judge may take its time): a finite number is its reward, None leaves it be (it is not
+        asked again); the sessions rewarded."""
+        now = time.monotonic()
+        done = []
+        for name, session in list(self.gateway.sessions.items()):
+            if name in self._scored or now - session.updated < after_s or self.gateway.busy(name):
+                continue
+            self._scored.add(name)
+            value = (
+                await asyncio.to_thread(score, list(session.branches[-1].seen)) if session.branches else None
+            )
+            if self.gateway.sessions.get(name) is not session or self.gateway.busy(name) or value is None:
+                continue  # rewarded over HTTP, closed or called again meanwhile; or left to a reward
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                self.counts["refused:scored"] += 1
+                continue
+            self._accept(name, float(value), None, None)
+            done.append(name)
+        return done
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drop the sessions with no reward ``expire_s`` after their last call; their names."""

@@ -373,6 +373,13 @@ class LearnConfig(_Strict):
     task's first reward is measured against the mean baseline of every task so far, 0 at first)."""
     expire_s: float = Field(3600.0, gt=0)
     """A session with no reward this long after its last call is dropped (counted, never trained)."""
+    reward: str | None = None
+    """``module:function`` that scores a finished session: fn(messages) -> float | None, with the
+    conversation as its client saw it (its last branch's messages, the last reply included). A
+    number is the session's reward (its task: its first user message); None leaves it to a reward
+    posted over HTTP, or to expiry. None here: rewards come over HTTP only."""
+    finished_s: float = Field(30.0, gt=0)
+    """With ``reward``: a session is finished once it has had no call for this long."""
     algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig(max_staleness=4))
     """The loss and its importance correction; ``max_staleness``: a session whose tokens are older than
     this many weight versions is not trained on (counted). ``advantage`` is not read: the baseline is."""
