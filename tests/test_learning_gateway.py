@@ -133,6 +133,9 @@ def test_rewards_train_the_served_model_and_stale_sessions_are_left_out(
     assert changed  # the policy learned from the rewarded sessions
     learned = [json.loads(line) for line in (tmp_path / "learn" / LEARNED).read_text().splitlines()]
     assert sorted(r["session"] for r in learned) == ["user0", "user1", "user2", "user3"]
+    assert {r["session"]: r.get("left_out") for r in learned} == {
+        "user0": None, "user1": None, "user2": "stale", "user3": "stale"
+    }  # fmt: skip
 
 
 def test_bad_rewards_are_refused_counted_and_never_trained(
@@ -204,6 +207,8 @@ def test_a_step_that_scores_worse_on_held_out_prompts_is_held_back(
         asyncio.run_coroutine_threadsafe(learning.learn_step(), loop).result(120)
         assert metric(url, "turnrl_learn_held_back_total") == 1
     assert gateway.engine.weight_version == 0  # users keep the served weights
+    learned = [json.loads(line) for line in (tmp_path / "learn" / LEARNED).read_text().splitlines()]
+    assert {r["session"]: r.get("left_out") for r in learned} == {"a": "held_back", "b": "held_back"}
     for name, value in learning.learner.policy.state_dict().items():
         assert torch.equal(value, served_weights[name]), f"{name}: the learner went on from held-back weights"
 

@@ -186,6 +186,7 @@ class Learning:
         version = int(self.engine.weight_version)
         fresh = [s for s in sessions if _oldest(s) >= version - learn.algorithm.max_staleness]
         self.counts["stale"] += len(sessions) - len(fresh)
+        left_out = {_name(s): "stale" for s in sessions if s not in fresh}
         trajs = [t for s in fresh for t in s]
         advantages = []
         for session in fresh:
@@ -211,13 +212,14 @@ class Learning:
             metrics = await asyncio.shield(self._updating)
             if await self._worse(kept):
                 policy.load_state_dict(kept)
+                left_out |= {_name(s): "held_back" for s in fresh}
             else:
                 await self._serve()
         self.step += 1
         self.trained |= {_name(s) for s in sessions}
         if learn.train.save_every and self.step % learn.train.save_every == 0:
             await asyncio.to_thread(self._save)
-        self.desk.learned(sessions, self.step)
+        self.desk.learned(sessions, self.step, left_out)
         rewards = [s[0].score for s in sessions]
         self.last = metrics | {
             "step": self.step,

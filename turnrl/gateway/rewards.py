@@ -170,11 +170,13 @@ class RewardDesk:
         taken, self.ready = self.ready[:count], self.ready[count:]
         return taken
 
-    def learned(self, sessions: list[list[Trajectory]], step: int) -> None:
-        """Say that ``sessions`` were trained on at ``step`` (or left out by it, with a reason)."""
+    def learned(self, sessions: list[list[Trajectory]], step: int, left_out: Mapping[str, str]) -> None:
+        """Say that ``sessions`` were taken by ``step``: trained on, or left out (``left_out``: the
+        reason, by session name: ``stale``, ``held_back``)."""
         for trajs in sessions:
             name = trajs[0].branch.session if trajs[0].branch is not None else trajs[0].id
-            self._learned.write_record({"session": name, "step": step})
+            why = {"left_out": left_out[name]} if name in left_out else {}
+            self._learned.write_record({"session": name, "step": step, **why})
         self.counts["learned"] += len(sessions)
 
     def close(self) -> None:
