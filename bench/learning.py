@@ -10,7 +10,7 @@ every ``sessions_per_step`` sessions). Per phase: calls per second, sampled toke
 the latency of a call (p50, p99). Reward to weights: per step, from the post of the reward that
 completed its batch to the moment the step's weights are served.
 
-    .venv/bin/python bench/learning.py [--sessions 8] [--seconds 60] [--repeats 2]
+    .venv/bin/python bench/learning.py [--sessions 8] [--seconds 60] [--repeats 2] [--nice 19] [--lr 1e-9]
 """
 
 from __future__ import annotations
@@ -89,6 +89,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
+    same = "the default does a step's whole work and leaves the answers as they were"
+    parser.add_argument("--lr", type=float, default=1e-9, help=f"the learner's rate: {same}")
+    parser.add_argument("--nice", type=int, default=19, help="learn.nice")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     config = LearningGatewayConfig.model_validate(
@@ -97,7 +100,12 @@ def main() -> None:
             "output_dir": tmp,
             "any_model": True,
             "sampling": {"max_tokens": args.max_tokens, "temperature": 1.0},
-            "learn": {"sessions_per_step": 8, "optim": {"lr": 2e-5}, "train": {"save_every": 0}},
+            "learn": {
+                "sessions_per_step": 8,
+                "optim": {"lr": args.lr},
+                "train": {"save_every": 0},
+                "nice": args.nice,
+            },
         }
     )
     gateway = Gateway(
@@ -149,8 +157,8 @@ def main() -> None:
     counts = learning.counts
     print(
         f"model {args.model}, {args.sessions} concurrent sessions, max_tokens {args.max_tokens}, "
-        f"{args.repeats} x {args.seconds:.0f} s per phase; steps {learning.step}, "
-        f"served {int(counts['served_steps'])}, stale sessions {int(counts['stale'])}"
+        f"{args.repeats} x {args.seconds:.0f} s per phase, lr {args.lr}, nice {args.nice}; "
+        f"steps {learning.step}, served {int(counts['served_steps'])}, stale sessions {int(counts['stale'])}"
     )
     print("| phase | calls/s | tokens/s | latency p50 (ms) | latency p99 (ms) |")
     print("|---|---:|---:|---:|---:|")

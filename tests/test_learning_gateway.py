@@ -129,6 +129,10 @@ def test_rewards_train_the_served_model_and_stale_sessions_are_left_out(
         assert metric(url, "turnrl_learn_sessions_learned_total") == 4
         assert metric(url, "turnrl_learn_sessions_stale_total") == 2
         task.cancel()
+        niceness = asyncio.run_coroutine_threadsafe(
+            learning._in_learner(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), loop
+        ).result(30)
+        assert niceness == 19  # the learner's thread only takes the CPU serving leaves (learn.nice)
     changed = [k for k, v in learning.learner.policy.state_dict().items() if not torch.equal(v, before[k])]
     assert changed  # the policy learned from the rewarded sessions
     learned = [json.loads(line) for line in (tmp_path / "learn" / LEARNED).read_text().splitlines()]
@@ -285,6 +289,8 @@ def test_a_killed_learning_gateway_resumes_with_no_rewarded_session_lost(
     finally:
         process.send_signal(signal.SIGTERM)
         _ended(process)
+    assert process.returncode == 0, "".join(said)  # SIGTERM: a clean stop, the update under way ended
+    assert not any("Traceback" in line or "terminate called" in line for line in said), "".join(said)
     rows = [json.loads(line) for line in learned.read_text().splitlines()]
     assert sorted(r["session"] for r in rows) == ["s0", "s1", "s2", "s3"]  # each once
     assert [r["step"] for r in rows] == [1, 1, 2, 2]

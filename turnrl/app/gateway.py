@@ -8,6 +8,8 @@ tool-call parser follow the model's chat template; every completed call is appen
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,9 +73,12 @@ async def serve(
                 learning = Learning(config, gateway, desk, console, resume)
                 await learning.start()
                 app = make_app(gateway, desk, [learning.metrics])
-            served = await serve_gateway(gateway, config.host, config.port, signals=True, app=app)
+            # a learning gateway stops itself on Ctrl-C or SIGTERM, so that an update under way ends
+            # before the process does (uvicorn would re-raise the signal once it stopped serving)
+            served = await serve_gateway(gateway, config.host, config.port, signals=learning is None, app=app)
             if learning is not None:
                 learner = asyncio.create_task(learning.run())
+                _stop_on_signals(served)
                 console.print(f"learning from rewards posted to {served.url}/v1/rewards")
             url = served.url
             console.print(f"serving {gateway.model} at {url}/v1 (a session per API key, or {url}/s/NAME/v1)")
@@ -98,6 +103,14 @@ async def serve(
             _settle_replaced(out, gateway.counts["calls"] > 0, console)
     finally:
         release(out)
+
+
+def _stop_on_signals(served: GatewayServer) -> None:
+    """Ctrl-C and SIGTERM end serving (and the ``serve`` that awaits it) in this loop."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread, or Windows
+            loop.add_signal_handler(sig, lambda: setattr(served.server, "should_exit", True))
 
 
 def _settle_replaced(out: Path, served: bool, console: Console) -> None:

@@ -25,11 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import statistics
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from pydantic import model_validator
@@ -72,6 +77,7 @@ class LearningGatewayConfig(GatewayConfig):
         return self
 
 
+T = TypeVar("T")
 LEARN_DIR = "learn"
 STOP_WAIT_S = 120.0  # at most this long for an update under way when the gateway stops
 CHECKPOINT = "checkpoint"
@@ -116,6 +122,7 @@ class Learning:
         if not isinstance(gateway.engine, HFEngine):
             raise TypeError("a learning gateway serves with the embedded engine")
         self.config, self.gateway, self.desk, self.console = config, gateway, desk, console
+        self.resume = resume
         self.engine: HFEngine = gateway.engine
         learn = config.learn
         self.folder = Path(config.output_dir) / LEARN_DIR
@@ -142,6 +149,7 @@ class Learning:
         self.served_score: float | None = None
         self._metrics = JsonlWriter(self.folder / "metrics.jsonl")
         self._updating: asyncio.Future[dict[str, float]] | None = None  # the update thread of a step
+        self._executor = ThreadPoolExecutor(1, "turnrl-learner", _lower_priority, (learn.nice,))
         if resumed:
             self._restore(saved)
 
@@ -151,10 +159,11 @@ class Learning:
         if self.step:
             state = {k: v.detach() for k, v in self.learner.policy.state_dict().items()}
             await self.engine.update_weights(state, version=self.step)
-        self.desk.restore()
-        self.desk.ready = [s for s in self.desk.ready if _name(s) not in self.trained]
+        if self.resume:  # the rewards of an earlier life of this folder, not trained on yet
+            self.desk.restore()
+            self.desk.ready = [s for s in self.desk.ready if _name(s) not in self.trained]
         if self.held_out:
-            self.served_score = await asyncio.to_thread(self.score)
+            self.served_score = await self._in_learner(self.score)
             self.console.print(f"learn: held-out reward of the served weights {self.served_score:.3f}")
 
     async def run(self) -> None:
@@ -207,8 +216,8 @@ class Learning:
                 share,
             )
             batches = [part.to(policy.device) for part in parts]
-            kept = {k: v.detach().clone() for k, v in policy.state_dict().items()} if self.held_out else None
-            self._updating = asyncio.ensure_future(asyncio.to_thread(update, self.learner, batches, tokens))
+            kept = await self._in_learner(self._snapshot) if self.held_out else None
+            self._updating = asyncio.ensure_future(self._in_learner(update, self.learner, batches, tokens))
             metrics = await asyncio.shield(self._updating)
             if await self._worse(kept):
                 policy.load_state_dict(kept)
@@ -218,7 +227,7 @@ class Learning:
         self.step += 1
         self.trained |= {_name(s) for s in sessions}
         if learn.train.save_every and self.step % learn.train.save_every == 0:
-            await asyncio.to_thread(self._save)
+            await self._in_learner(self._save)
         self.desk.learned(sessions, self.step, left_out)
         rewards = [s[0].score for s in sessions]
         self.last = metrics | {
@@ -242,7 +251,7 @@ class Learning:
         hold = self.config.learn.hold_back
         if hold is None or kept is None or self.served_score is None:
             return False
-        score = await asyncio.to_thread(self.score)
+        score = await self._in_learner(self.score)
         if score < self.served_score - hold.margin:
             self.counts["held_back"] += 1
             self.console.print(
@@ -255,7 +264,7 @@ class Learning:
 
     async def _serve(self) -> None:
         """The policy's weights into the serving engine, between calls."""
-        state = {k: v.detach().clone() for k, v in self.learner.policy.state_dict().items()}
+        state = await self._in_learner(self._snapshot)  # the copy too: not on the serving loop
 
         async def load() -> None:
             await self.engine.update_weights(state)
@@ -324,6 +333,15 @@ class Learning:
         self.counts.update(state["counts"])
         self.console.print(f"learn: resumed at step {self.step} ({len(self.trained)} sessions trained on)")
 
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the policy's weights."""
+        return {k: v.detach().clone() for k, v in self.learner.policy.state_dict().items()}
+
+    async def _in_learner(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on the learner's own thread, at ``learn.nice`` (its OpenMP workers, made by
+        it, inherit that), so that serving keeps the CPU it needs."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+
     async def stop(self, task: asyncio.Task[None] | None) -> None:
         """Stop learning (``task``: its ``run``): an update under way ends first (its thread cannot be
         stopped midway; bounded by ``STOP_WAIT_S``), then the metrics file is closed."""
@@ -335,7 +353,14 @@ class Learning:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(STOP_WAIT_S):
                     await asyncio.gather(self._updating, return_exceptions=True)
+        self._executor.shutdown(wait=False)
         self._metrics.close()
+
+
+def _lower_priority(nice: int) -> None:
+    """Run the calling thread (and the threads it starts) at ``nice``."""
+    with contextlib.suppress(OSError, AttributeError):  # a platform without per-thread priorities
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def _name(session: list[Trajectory]) -> str:

@@ -53,7 +53,8 @@ TRAINING = RunKind(
     _TRAINING_OUTPUTS,
     (*_SAME_ROLLOUT, "rollout", "algorithm", "optim"),
 )
-GATEWAY = RunKind("gateway run", "calls.jsonl", ("calls.jsonl", CONFIG), ("calls.jsonl",), ())
+# a learning gateway's rewards, checkpoint and steps are in learn/ (turnrl.app.learning.LEARN_DIR)
+GATEWAY = RunKind("gateway run", "calls.jsonl", ("calls.jsonl", CONFIG, "learn"), ("calls.jsonl",), ())
 # an evaluation is re-run at will: it replaces the one before (``overwrite=True``), one at a time
 EVAL = RunKind("evaluation", "eval.jsonl", ("eval.jsonl", "eval.json"), ("eval.jsonl",), ())
 

@@ -391,6 +391,9 @@ class LearnConfig(_Strict):
     read (a step starts when rewards are ready)."""
     hold_back: HoldBackConfig | None = None
     """A held-out check that keeps a worse step from being served (None: every step is served)."""
+    nice: int = Field(19, ge=0, le=19)
+    """The learner's threads run at this nice value: 19 takes only the CPU that serving leaves (where
+    the learner has cores or a device of its own, it changes nothing); 0: the same as serving."""
 
     @model_validator(mode="after")
     def _one_process(self) -> LearnConfig:
