@@ -294,6 +294,14 @@ def test_a_killed_learning_gateway_resumes_with_no_rewarded_session_lost(
     rows = [json.loads(line) for line in learned.read_text().splitlines()]
     assert sorted(r["session"] for r in rows) == ["s0", "s1", "s2", "s3"]  # each once
     assert [r["step"] for r in rows] == [1, 1, 2, 2]
+    process, url, said = _gateway_process(config, "--overwrite")  # a fresh start: nothing of before
+    try:
+        assert metric(url, "turnrl_learn_weight_version") == 0
+        assert reward(url, session="s0", reward=1.0).status_code == 404
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _ended(process)
+    assert len(learned.read_text().splitlines()) == 4  # it answered no call: what it set aside is put back
 
 
 @pytest.mark.parametrize("bad", ["{learn: {sessions_per_step: 0}}", "{learn: {}, engine: {kind: vllm}}"])
