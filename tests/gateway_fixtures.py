@@ -71,19 +71,8 @@ class Recorder:
 @contextlib.contextmanager
 def serving(gateway: Gateway) -> Iterator[str]:
     """The gateway on a free loopback port, in a thread; its base URL."""
-    server = uvicorn.Server(uvicorn.Config(make_app(gateway), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the gateway did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with served(gateway) as (url, _):
+        yield url
 
 
 @contextlib.contextmanager

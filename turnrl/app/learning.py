@@ -54,7 +54,7 @@ from turnrl.support.imports import import_object
 from turnrl.train.batch import batches_of, build_samples, packs
 from turnrl.train.config import AlgorithmConfig, LearnConfig, OptimConfig, TrainLoopConfig
 from turnrl.train.logprobs import shares_prefixes
-from turnrl.train.update import Learner, trainable_parameters, update
+from turnrl.train.update import Learner, make_optimizer, trainable_parameters, update
 from turnrl.types import SamplingParams, Trajectory
 
 
@@ -132,16 +132,14 @@ class Learning:
         hf_logging.disable_progress_bar()  # checkpoints are saved while serving: no bars in its log
         policy = load_model(str(saved / "model") if resumed else config.model, device=device)
         trainable_parameters(policy, learn.optim.trainable)
-        params = [p for p in policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, learn.optim.lr, learn.optim.betas, weight_decay=learn.optim.weight_decay
+        optimizer, scheduler = make_optimizer(
+            [p for p in policy.parameters() if p.requires_grad], learn.optim
         )
-        warmup = learn.optim.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
         plan = UpdatePlan(learn.algorithm, learn.optim, learn.train, config.sampling)
         self.learner = Learner(plan, policy, None, gateway.encoder.template.tokenizer, optimizer, scheduler)
         self.baselines = Baselines(learn.baseline_decay)
         self.step = 0
+        self.version = 0  # the served weights' version a resume goes on from
         self.trained: set[str] = set()  # sessions the policy has learned from (in its checkpoint)
         self.counts: dict[str, float] = {"stale": 0, "held_back": 0, "served_steps": 0, "failed_steps": 0}
         self.last: dict[str, float] = {}
@@ -156,9 +154,8 @@ class Learning:
     async def start(self) -> None:
         """Before serving: a resumed learner's weights into the engine, the rewarded sessions it had
         not trained on back in the queue, and the served weights' held-out score."""
-        if self.step:
-            state = {k: v.detach() for k, v in self.learner.policy.state_dict().items()}
-            await self.engine.update_weights(state, version=self.step)
+        if self.version:  # the checkpoint's weights, under the version they were served as
+            await self.engine.update_weights(self._snapshot(), version=self.version)
         if self.resume:  # the rewards of an earlier life of this folder, not trained on yet
             self.desk.restore()
             self.desk.ready = [s for s in self.desk.ready if _name(s) not in self.trained]
@@ -312,6 +309,7 @@ class Learning:
         self.learner.policy.save_pretrained(tmp / "model")
         state = {
             "step": self.step,
+            "version": int(self.engine.weight_version),
             "optimizer": self.learner.optimizer.state_dict(),
             "scheduler": self.learner.scheduler.state_dict(),
             "baselines": self.baselines.values,
@@ -329,7 +327,11 @@ class Learning:
         self.learner.optimizer.load_state_dict(state["optimizer"])
         self.learner.scheduler.load_state_dict(state["scheduler"])
         self.baselines = Baselines(self.config.learn.baseline_decay, state["baselines"])
-        self.step, self.trained = int(state["step"]), set(state["trained"])
+        self.step, self.version, self.trained = (
+            int(state["step"]),
+            int(state["version"]),
+            set(state["trained"]),
+        )
         self.counts.update(state["counts"])
         self.console.print(f"learn: resumed at step {self.step} ({len(self.trained)} sessions trained on)")
 

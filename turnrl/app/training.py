@@ -42,7 +42,7 @@ from turnrl.train.fsdp import load_optimizer_state, shard_policy
 from turnrl.train.loop import run_training
 from turnrl.train.lora import saved_adapter, wrap_lora
 from turnrl.train.state import Data, Run
-from turnrl.train.update import Learner, trainable_parameters
+from turnrl.train.update import Learner, make_optimizer, trainable_parameters
 from turnrl.types import Engine, EngineError, server_urls
 
 
@@ -147,10 +147,7 @@ def _learner_and_engine(
         trainable_parameters(policy, opt.trainable)
     sharded = shard_policy(policy, ranks) if config.train.fsdp else None
     params = [p for p in policy.parameters() if p.requires_grad]  # sharded ones under FSDP
-    optimizer = torch.optim.AdamW(params, opt.lr, opt.betas, weight_decay=opt.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
-    )
+    optimizer, scheduler = make_optimizer(params, opt)
     return Learner(config, policy, ref, tokenizer, optimizer, scheduler, ranks, sharded), engine
 
 

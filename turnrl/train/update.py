@@ -58,6 +58,17 @@ class Learner:
         return int(pad) if pad is not None else 0
 
 
+def make_optimizer(
+    params: list[torch.nn.Parameter], opt: OptimConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over ``params`` as ``opt`` says, and its schedule: a linear warm-up, then constant."""
+    optimizer = torch.optim.AdamW(params, opt.lr, opt.betas, weight_decay=opt.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / (opt.warmup_steps + 1))
+    )
+    return optimizer, scheduler
+
+
 def trainable_parameters(model: Any, patterns: list[str]) -> list[torch.nn.Parameter]:
     """Freeze the parameters no pattern matches (none given: train all); the trainable ones."""
     for name, param in model.named_parameters():
