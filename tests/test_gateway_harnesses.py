@@ -16,9 +16,9 @@ from gateway_fixtures import assert_exact, gateway_for, serving
 
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.gateway import Reason, read_branches
+from turnrl.support.cache import cache_dir
 
-CACHE = Path(os.environ.get("TURNRL_CACHE_DIR") or Path.home() / ".cache" / "turnrl")
-CODEX = CACHE / "agents" / "node_modules" / ".bin" / "codex"
+CODEX = cache_dir() / "agents" / "node_modules" / ".bin" / "codex"
 
 
 def tool_call(name: str, arguments: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from gateway_fixtures import START, Recorder, assert_exact, gateway_for
 
 from turnrl.app.kinds import harness_gateway
 from turnrl.chat.encoder import ChatEncoder
-from turnrl.config import HarnessConfig
+from turnrl.config import HarnessConfig, SandboxConfig
 from turnrl.engines.scripted import ScriptedEngine
 from turnrl.harness import HarnessRunner
 from turnrl.harness.process import argv_for, check_command
@@ -618,6 +618,21 @@ def test_a_script_in_env_command_is_found_beside_the_config_or_from_here(
     ]  # fmt: skip
     (elsewhere / "my_agent.py").write_text("print('here')\n")
     assert argv_for(["python", "my_agent.py"], "")[1] == str(config_dir / "my_agent.py")  # as modules are
+    (config_dir / "bin").mkdir()
+    (config_dir / "bin" / "agent.sh").write_text("#!/bin/sh\necho hi\n")
+    not_executable = "env.command: 'bin/agent.sh' is not an executable file"
+    assert check_command(["bin/agent.sh", "{prompt}"]) == not_executable
+    (config_dir / "bin" / "agent.sh").chmod(0o755)
+    assert check_command(["bin/agent.sh", "{prompt}"]) is None  # a program by its path, beside the config
+    assert argv_for(["bin/agent.sh", "{prompt}"], "Hi.") == [str(config_dir / "bin" / "agent.sh"), "Hi."]
+
+
+def test_sandbox_paths_and_agent_variables_may_name_the_home_and_turnrls_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TURNRL_CACHE_DIR", str(tmp_path / "cache"))
+    config = SandboxConfig(read_only=["{cache}/agents", "~/tools", "/opt/x"])
+    assert config.read_only == [str(tmp_path / "cache" / "agents"), str(Path.home() / "tools"), "/opt/x"]
 
 
 def branch(group: str, run: int, reward: float, run_reward: float, index: int = 0) -> Trajectory:

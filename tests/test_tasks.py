@@ -10,17 +10,20 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from turnrl.config import SandboxConfig
 from turnrl.harness.runtime import LocalRuntime, View
 from turnrl.harness.sandbox import BubblewrapRuntime
+from turnrl.support.cache import cache_dir
 from turnrl.tasks import TaskError, Workspace, load_task, load_tasks, read_reward, rows
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "examples" / "tasks"
 PASS = "echo 1 > /logs/verifier/reward.txt"
+CODEX = cache_dir() / "agents" / "node_modules" / ".bin" / "codex"
 
 
 def turnrl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -73,6 +76,32 @@ def test_every_shipped_task_fails_untouched_and_passes_with_its_own_solution(tmp
     held_out = {t.name for t in load_tasks(SHIPPED / "held_out")}
     assert len(train) >= 8 and len(held_out) >= 4 and not train & held_out
     assert load_task(SHIPPED / "train" / "calc-repo").tests is None  # the SWE-style one: its exit code
+
+
+def test_the_family_set_is_its_generators_output_checked_and_split_by_instance(tmp_path: Path) -> None:
+    """examples/task_families: what make.py writes (byte for byte), every task kept by check-tasks,
+    the held-out tasks of the training tasks' families but with none of their names or words."""
+    families = REPO / "examples" / "task_families"
+    made = tmp_path / "made"
+    subprocess.run([sys.executable, str(families / "make.py"), str(made)], check=True, timeout=60)
+    for split in ("train", "held_out"):
+        ours = sorted(p.relative_to(made) for p in (made / split).rglob("*") if p.is_file())
+        shipped = sorted(p.relative_to(families) for p in (families / split).rglob("*") if p.is_file())
+        assert ours == shipped
+        assert all((made / p).read_bytes() == (families / p).read_bytes() for p in ours)
+    out = tmp_path / "checks.jsonl"
+    done = turnrl("check-tasks", "examples/task_families", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sum(json.loads(line)["keep"] for line in out.read_text().splitlines()) == 40
+
+    def words(split: str) -> tuple[set[str], set[str]]:
+        tasks = load_tasks(families / split)
+        named = {w for t in tasks for quoted in t.instruction.split("`")[1::2] for w in quoted.split()}
+        return {str(t.metadata["category"]) for t in tasks}, named
+
+    (train_families, train_words), (held_families, held_words) = words("train"), words("held_out")
+    assert held_families == train_families and len(train_families) == 5
+    assert not {w.removesuffix(".txt") for w in held_words} & {w.removesuffix(".txt") for w in train_words}
 
 
 def test_a_task_whose_tests_pass_untouched_or_fail_after_its_solution_is_one_to_drop(tmp_path: Path) -> None:
@@ -335,3 +364,50 @@ def test_an_agent_past_its_tasks_time_limit_is_stopped_there_and_told_so(tmp_pat
     assert late["error"].startswith(
         "the agent ran past its row's time limit (a task's [agent] timeout_sec) 3 s and was killed"
     ), late["error"]
+
+
+@pytest.mark.parametrize("agent", ["mini_swe", "codex"])
+def test_the_family_recipes_agents_solve_the_held_out_tasks_with_their_demonstrations(
+    agent: str, tmp_path: Path
+) -> None:
+    """The learning recipes' plumbing, with the real agents unchanged (mini-swe-agent's `mini` in its
+    text mode; Codex from npm through codex.sh, hermes tool calls, turnrl's cache shown read-only):
+    each held-out task's solution, as the recipe's warm start demonstrates it, replayed through the
+    agent in the task's sandbox, passes the task's own tests, and the session's model tokens are
+    exactly the demonstration's."""
+    import asyncio
+
+    from turnrl.app.kinds import HarnessEnv
+    from turnrl.app.parts import build_spec, load_samples
+    from turnrl.models import load_tokenizer
+    from turnrl.support.imports import import_object
+    from turnrl.train.config import load_train_config
+    from turnrl.train.sft import replay
+
+    if agent == "codex":
+        assert CODEX.exists(), f"no Codex CLI at {CODEX}: run bash scripts/install_agents.sh"
+    recipe = REPO / "examples" / "task_families" / f"train_{agent}.yaml"
+    config = load_train_config(recipe, [f"output_dir={tmp_path / 'out'}"], purpose="eval")
+    assert config.eval is not None and config.warm_start is not None
+    tokenizer = load_tokenizer(config.model)
+    samples = load_samples(config.eval.data, None)
+    assert len(samples) == 10
+    demos = import_object(config.warm_start.demos, "warm_start.demos")
+    env = HarnessEnv(config.env)  # type: ignore[arg-type]
+    spec = env.complete(build_spec(config, None, tokenizer, None), config.model, tmp_path / "out")  # type: ignore[arg-type]
+    assert spec.runner is not None
+    runner = spec.runner
+
+    async def play() -> list[Any]:
+        try:
+            return await replay(samples, demos, spec)
+        finally:
+            await runner.close()
+
+    played = asyncio.run(play())
+    assert len(played) == len(samples)
+    for sample, traj in zip(samples, played, strict=True):
+        assert traj.reward == 1.0, (sample.id, traj.stop_reason, traj.error)
+        model = tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m])
+        assert all(turn in model for turn in demos(sample))
+        assert len(model) < sum(len(turn) + 20 for turn in demos(sample))  # nothing else is trained

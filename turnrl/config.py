@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from turnrl.support.cache import cache_dir
 from turnrl.support.imports import add_search_path
 from turnrl.types import Limits, SamplingParams
 
@@ -315,7 +316,13 @@ class SandboxConfig(Strict):
     reach, other services on loopback included)."""
     read_only: list[str] = Field(default_factory=list)
     """More host paths shown read-only at the same place (an agent's install outside the Python
-    environment and the system folders, a data set)."""
+    environment and the system folders, a data set); ``~`` is the user's home and ``{cache}``
+    turnrl's cache folder (where ``scripts/install_agents.sh`` puts the agent CLIs)."""
+
+    @field_validator("read_only")
+    @classmethod
+    def _expand(cls, paths: list[str]) -> list[str]:
+        return [os.path.expanduser(path.replace("{cache}", str(cache_dir()))) for path in paths]
 
 
 class HarnessConfig(Strict):
@@ -343,7 +350,9 @@ class HarnessConfig(Strict):
     timeout_s: float = Field(300.0, gt=0)
     """A run still going after this long is killed with its whole process group (agent_timeout)."""
     env: dict[str, str] = Field(default_factory=dict)
-    """Environment variables for the agent, on top of this process's own."""
+    """Environment variables for the agent, on top of this process's own; ``{openai_base_url}``,
+    ``{anthropic_base_url}``, ``{api_key}`` (the run's session), ``{folder}`` (the run's folder) and
+    ``{cache}`` (turnrl's cache folder) are filled in."""
     max_calls: int = Field(256, ge=1)
     """A session's model calls: the next one is refused (HTTP 400), and the run ends as token_budget."""
     max_session_tokens: int = Field(32768, ge=16)

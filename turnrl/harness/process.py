@@ -95,7 +95,8 @@ def check_command(command: list[str] | str) -> str | None:
         return "env.command is empty"
     program = command[0]
     if os.sep in program:
-        return None if os.access(program, os.X_OK) else f"env.command: {program!r} is not an executable file"
+        executable = os.access(program_path(program), os.X_OK)
+        return None if executable else f"env.command: {program!r} is not an executable file"
     if not (os.sep in program_path(program) or shutil.which(program)):
         return f"env.command: {program!r} is not a program on PATH nor beside {sys.executable}"
     for part in command[1:]:  # a script it runs: python agent.py
@@ -128,9 +129,12 @@ def _find_module(name: str, what: str) -> str | None:
 
 def program_path(program: str) -> str:
     """``python`` as this interpreter; a program of this environment (a console script beside the
-    interpreter, such as an agent's CLI installed with turnrl) by its path when PATH lacks it."""
+    interpreter, such as an agent's CLI installed with turnrl) by its path when PATH lacks it; a
+    relative path (``agents/run.sh``) found as the arguments are, made absolute."""
     if program == "python":
         return sys.executable
+    if os.sep in program and (found := find_file(program)) is not None:
+        return str(found)
     beside = Path(sys.executable).parent / program
     if os.sep not in program and not shutil.which(program) and os.access(beside, os.X_OK):
         return str(beside)

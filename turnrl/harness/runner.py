@@ -38,6 +38,7 @@ from turnrl.harness.sandbox import BubblewrapRuntime
 from turnrl.harness.scoring import Scoring, as_member
 from turnrl.record.episode import failed_trajectory
 from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.cache import cache_dir
 from turnrl.support.errors import describe
 from turnrl.support.imports import import_object, search_path
 from turnrl.types import Sample, StopReason, Trajectory
@@ -162,14 +163,15 @@ class HarnessRunner:
             self.setup(sample, folder)
 
     def _environment(self, url: str, name: str, key: str, run_dir: Path, folder: str) -> dict[str, str]:
-        """``env.env`` (``{openai_base_url}``, ``{anthropic_base_url}``, ``{api_key}``, ``{folder}``
-        filled in), and the session's URL and secret key for every client (the runtime adds the
+        """``env.env`` (``{openai_base_url}``, ``{anthropic_base_url}``, ``{api_key}``, ``{folder}``,
+        ``{cache}`` filled in), and the session's URL and secret key for every client (the runtime adds the
         variables of this process a run gets: all of them unsandboxed, a few in a sandbox)."""
         fill = {
             "openai_base_url": f"{url}/s/{name}/v1",
             "anthropic_base_url": f"{url}/s/{name}",
             "api_key": key,
             "folder": folder,
+            "cache": str(cache_dir()),
         }
         own = {k: value.format(**fill) for k, value in self.config.env.items()}
         session = {
