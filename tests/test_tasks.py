@@ -84,7 +84,8 @@ def test_the_family_set_is_its_generators_output_checked_and_split_by_instance(t
     families = REPO / "examples" / "task_families"
     made = tmp_path / "made"
     subprocess.run([sys.executable, str(families / "make.py"), str(made)], check=True, timeout=60)
-    for split in ("train", "held_out"):
+    splits = ("warm_start", "train", "held_out")
+    for split in splits:
         ours = sorted(p.relative_to(made) for p in (made / split).rglob("*") if p.is_file())
         shipped = sorted(p.relative_to(families) for p in (families / split).rglob("*") if p.is_file())
         assert ours == shipped
@@ -92,16 +93,16 @@ def test_the_family_set_is_its_generators_output_checked_and_split_by_instance(t
     out = tmp_path / "checks.jsonl"
     done = turnrl("check-tasks", "examples/task_families", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sum(json.loads(line)["keep"] for line in out.read_text().splitlines()) == 40
+    assert sum(json.loads(line)["keep"] for line in out.read_text().splitlines()) == 60
 
-    def words(split: str) -> tuple[set[str], set[str]]:
+    def named(split: str) -> tuple[set[str], set[str]]:
         tasks = load_tasks(families / split)
-        named = {w for t in tasks for quoted in t.instruction.split("`")[1::2] for w in quoted.split()}
-        return {str(t.metadata["category"]) for t in tasks}, named
+        quoted = {w for t in tasks for part in t.instruction.split("`")[1::2] for w in part.split()}
+        return {str(t.metadata["category"]) for t in tasks}, {w.removesuffix(".txt") for w in quoted}
 
-    (train_families, train_words), (held_families, held_words) = words("train"), words("held_out")
-    assert held_families == train_families and len(train_families) == 5
-    assert not {w.removesuffix(".txt") for w in held_words} & {w.removesuffix(".txt") for w in train_words}
+    (warm, warm_words), (train, train_words), (held, held_words) = map(named, splits)
+    assert warm == train == held and len(train) == 5
+    assert not held_words & (train_words | warm_words)
 
 
 def test_a_task_whose_tests_pass_untouched_or_fail_after_its_solution_is_one_to_drop(tmp_path: Path) -> None:
@@ -372,7 +373,7 @@ def test_the_family_recipes_agents_solve_the_held_out_tasks_with_their_demonstra
 ) -> None:
     """The learning recipes' plumbing, with the real agents unchanged (mini-swe-agent's `mini` in its
     text mode; Codex from npm through codex.sh, hermes tool calls, turnrl's cache shown read-only):
-    each held-out task's solution, as the recipe's warm start demonstrates it, replayed through the
+    a held-out task of each family: its solution, as the recipe's warm start demonstrates it, replayed through the
     agent in the task's sandbox, passes the task's own tests, and the session's model tokens are
     exactly the demonstration's."""
     import asyncio
@@ -390,8 +391,8 @@ def test_the_family_recipes_agents_solve_the_held_out_tasks_with_their_demonstra
     config = load_train_config(recipe, [f"output_dir={tmp_path / 'out'}"], purpose="eval")
     assert config.eval is not None and config.warm_start is not None
     tokenizer = load_tokenizer(config.model)
-    samples = load_samples(config.eval.data, None)
-    assert len(samples) == 10
+    samples = load_samples(config.eval.data, None)[::2]  # one of each family
+    assert len({sample.id.rsplit("-", 1)[0] for sample in samples}) == 5
     demos = import_object(config.warm_start.demos, "warm_start.demos")
     env = HarnessEnv(config.env)  # type: ignore[arg-type]
     spec = env.complete(build_spec(config, None, tokenizer, None), config.model, tmp_path / "out")  # type: ignore[arg-type]

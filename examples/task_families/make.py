@@ -1,9 +1,13 @@
 """Writes the task-family set: Harbor task folders in five families of one-command terminal tasks
 (write a file, replace a word, rename a file, append a line, delete lines), each instance with its
-own names and words. ``train/`` and ``held_out/`` share the families, never an instance's names or
-words, so a pass on a held-out task is a skill learned, not an answer remembered.
+own names and words, in three splits that share the families:
 
-    python examples/task_families/make.py examples/task_families   # rewrites train/ and held_out/
+- ``warm_start/``: 4 instances a family, whose solutions the warm start demonstrates;
+- ``train/``: 6 a family, the RL tasks (not demonstrated: the model must carry the pattern over);
+- ``held_out/``: 2 a family, with none of the names or words of the other two, so a pass there is a
+  skill learned, not an answer remembered.
+
+    python examples/task_families/make.py examples/task_families   # rewrites the three folders
 
 The folders are committed; this script is how they were made (the same seed gives the same files).
 """
@@ -191,16 +195,18 @@ def write(task: Path, family: str, instance: Instance) -> None:
     (task / "solution" / "solve.sh").write_text(solve)
 
 
-def make(root: Path, train: int = 6, held_out: int = 2, seed: int = 0) -> None:
-    """``train`` and ``held_out`` instances of each family (numbered on across both), their names and
-    words drawn from disjoint halves of ``WORDS``."""
+def make(root: Path, demos: int = 4, train: int = 6, held_out: int = 2, seed: int = 0) -> None:
+    """``demos``, ``train`` and ``held_out`` instances of each family (numbered on across the three),
+    the held-out names and words drawn from one half of ``WORDS``, the others' from the other."""
     rng = random.Random(seed)
     words = list(WORDS)
     rng.shuffle(words)
     half = len(words) // 2
+    ends = (demos, demos + train, demos + train + held_out)
     splits = (
-        ("train", range(1, train + 1), words[:half]),
-        ("held_out", range(train + 1, train + held_out + 1), words[half:]),
+        ("warm_start", range(1, ends[0] + 1), words[:half]),
+        ("train", range(ends[0] + 1, ends[1] + 1), words[:half]),
+        ("held_out", range(ends[1] + 1, ends[2] + 1), words[half:]),
     )
     for split, numbers, pool in splits:
         shutil.rmtree(root / split, ignore_errors=True)

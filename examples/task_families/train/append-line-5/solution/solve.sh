@@ -1,4 +1,4 @@
 #!/bin/bash
 # The reference solution, run in /app.
 set -e
-echo 'orchid apple' >> basil.txt
+echo 'kestrel juniper' >> orchid.txt

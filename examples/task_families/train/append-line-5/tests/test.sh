@@ -1,7 +1,7 @@
 #!/bin/bash
 # The verifier: writes 1 to /logs/verifier/reward.txt when the check passes, else 0.
 cd /app
-if cmp -s basil.txt /tests/expected
+if cmp -s orchid.txt /tests/expected
 then
   echo 1 > /logs/verifier/reward.txt
 else

@@ -1,4 +1,4 @@
 #!/bin/bash
 # The reference solution, run in /app.
 set -e
-echo 'apple delta' >> dune.txt
+echo 'falcon nectar' >> river.txt

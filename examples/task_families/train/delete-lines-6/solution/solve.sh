@@ -1,4 +1,4 @@
 #!/bin/bash
 # The reference solution, run in /app.
 set -e
-sed -i '/juniper/d' copper.txt
+sed -i '/pine/d' copper.txt

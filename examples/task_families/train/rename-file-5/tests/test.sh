@@ -1,7 +1,7 @@
 #!/bin/bash
 # The verifier: writes 1 to /logs/verifier/reward.txt when the check passes, else 0.
 cd /app
-if [ ! -e amber.txt ] && cmp -s basil.txt /tests/expected
+if [ ! -e saffron.txt ] && cmp -s kestrel.txt /tests/expected
 then
   echo 1 > /logs/verifier/reward.txt
 else

@@ -1,4 +1,4 @@
 #!/bin/bash
 # The reference solution, run in /app.
 set -e
-mv copper.txt nectar.txt
+mv quartz.txt apple.txt

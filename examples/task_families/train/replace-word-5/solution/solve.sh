@@ -1,4 +1,4 @@
 #!/bin/bash
 # The reference solution, run in /app.
 set -e
-sed -i 's/saffron/maple/g' tundra.txt
+sed -i 's/maple/juniper/g' nectar.txt

@@ -1,4 +1,4 @@
 #!/bin/bash
 # The reference solution, run in /app.
 set -e
-sed -i 's/quartz/nectar/g' jasper.txt
+sed -i 's/apple/quartz/g' jasper.txt

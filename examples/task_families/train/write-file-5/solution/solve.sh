@@ -1,4 +1,4 @@
 #!/bin/bash
 # The reference solution, run in /app.
 set -e
-echo 'velvet river' > falcon.txt
+echo 'river pine' > basil.txt

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The verifier: writes 1 to /logs/verifier/reward.txt when the check passes, else 0.
 cd /app
-if [ "$(cat falcon.txt)" = "velvet river" ] && [ "$(wc -l < falcon.txt)" = 1 ]
+if [ "$(cat basil.txt)" = "river pine" ] && [ "$(wc -l < basil.txt)" = 1 ]
 then
   echo 1 > /logs/verifier/reward.txt
 else

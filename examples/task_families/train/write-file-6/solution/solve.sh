@@ -1,4 +1,4 @@
 #!/bin/bash
 # The reference solution, run in /app.
 set -e
-echo 'pine jasper' > copper.txt
+echo 'apple maple' > orchid.txt

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The verifier: writes 1 to /logs/verifier/reward.txt when the check passes, else 0.
 cd /app
-if [ "$(cat copper.txt)" = "pine jasper" ] && [ "$(wc -l < copper.txt)" = 1 ]
+if [ "$(cat orchid.txt)" = "apple maple" ] && [ "$(wc -l < orchid.txt)" = 1 ]
 then
   echo 1 > /logs/verifier/reward.txt
 else

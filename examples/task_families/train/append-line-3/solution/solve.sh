@@ -1,4 +1,0 @@
-#!/bin/bash
-# The reference solution, run in /app.
-set -e
-echo 'kestrel amber' >> falcon.txt

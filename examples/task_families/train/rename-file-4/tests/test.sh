@@ -1,9 +1,0 @@
-#!/bin/bash
-# The verifier: writes 1 to /logs/verifier/reward.txt when the check passes, else 0.
-cd /app
-if [ ! -e falcon.txt ] && cmp -s maple.txt /tests/expected
-then
-  echo 1 > /logs/verifier/reward.txt
-else
-  echo 0 > /logs/verifier/reward.txt
-fi

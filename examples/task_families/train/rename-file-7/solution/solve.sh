@@ -1,0 +1,4 @@
+#!/bin/bash
+# The reference solution, run in /app.
+set -e
+mv saffron.txt orchid.txt

@@ -1,0 +1,9 @@
+#!/bin/bash
+# The verifier: writes 1 to /logs/verifier/reward.txt when the check passes, else 0.
+cd /app
+if [ "$(cat jasper.txt)" = "basil apple" ] && [ "$(wc -l < jasper.txt)" = 1 ]
+then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi

@@ -1,0 +1,4 @@
+#!/bin/bash
+# The reference solution, run in /app.
+set -e
+echo 'pine ember' > delta.txt
