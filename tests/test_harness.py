@@ -236,6 +236,29 @@ def test_a_misbehaving_agent_ends_with_a_stop_reason_of_its_own(
     )
 
 
+def test_an_exit_code_listed_as_scored_is_the_models_failure_scored_and_trained(
+    qwen3_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`codex exec` exits 1 when the model's reply is cut off: with `env.scored_exit_codes: [0, 1]`
+    such a run is rewarded and trained (agent_done, its exit code kept); other codes still crash."""
+    import lookup_task
+
+    monkeypatch.setattr(lookup_task, "reward", lambda sample, result: 0.0)
+    command = ["python", str(AGENTS / "stubborn_agent.py"), "crash"]  # exit 3 after one call
+    for scored, stop in (([0, 3], StopReason.AGENT_DONE), ([0, 1], StopReason.AGENT_ERROR)):
+        runner, _ = runner_for(
+            qwen3_tokenizer, tmp_path / str(scored[1]), ["Hi."], command=command, scored_exit_codes=scored
+        )
+        [traj] = run_once(runner)
+        assert traj.stop_reason == stop and traj.run.exit_code == 3
+        kept, _ = exclude_failures([traj], keep=False)
+        assert (
+            (traj.reward == 0.0 and traj.error is None and kept)
+            if stop == StopReason.AGENT_DONE
+            else not kept
+        )
+
+
 @pytest.mark.parametrize("preload", [[], ["openai"]], ids=["process", "forked"])
 def test_a_timeout_kills_the_agent_and_everything_it_started(
     qwen3_tokenizer: Any, tmp_path: Path, preload: list[str]

@@ -373,9 +373,9 @@ def test_the_family_recipes_agents_solve_the_held_out_tasks_with_their_demonstra
 ) -> None:
     """The learning recipes' plumbing, with the real agents unchanged (mini-swe-agent's `mini` in its
     text mode; Codex from npm through codex.sh, hermes tool calls, turnrl's cache shown read-only):
-    a held-out task of each family: its solution, as the recipe's warm start demonstrates it, replayed through the
-    agent in the task's sandbox, passes the task's own tests, and the session's model tokens are
-    exactly the demonstration's."""
+    for a held-out task of each family, its solution as the recipe's warm start demonstrates it,
+    replayed through the agent in the task's sandbox, passes the task's own tests, and the
+    session's model tokens are the demonstration's."""
     import asyncio
 
     from turnrl.app.kinds import HarnessEnv

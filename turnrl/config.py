@@ -349,6 +349,11 @@ class HarnessConfig(Strict):
     """"module:function": ``fn(sample, folder)`` prepares a run's folder (after the copy)."""
     timeout_s: float = Field(300.0, gt=0)
     """A run still going after this long is killed with its whole process group (agent_timeout)."""
+    scored_exit_codes: list[int] = Field(default_factory=lambda: [0])
+    """Exit codes after which a run is scored as one that ended (its reward runs, its branches are
+    trained: agent_done). Another code is a crash (agent_error), left out of training. An agent
+    that exits non-zero because of what the model said is the model's failure, which training
+    should see: ``codex exec`` exits 1 when a reply is cut off at ``max_tokens`` (list ``[0, 1]``)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables for the agent, on top of this process's own; ``{openai_base_url}``,
     ``{anthropic_base_url}``, ``{api_key}`` (the run's session), ``{folder}`` (the run's folder) and

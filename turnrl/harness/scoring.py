@@ -2,10 +2,11 @@
 (``branch_rewards``) and put on its branches, the branches not to train marked (``exclude``), and
 each sampled token put in exactly one branch's loss (``gateway.forest.train_once``).
 
-Every branch of a run carries the run's stop reason (``agent_done``; ``agent_error`` for a crash, a
-non-zero exit, an agent that never called; ``agent_timeout``; ``token_budget`` when the session's
-call budget ran out), its own reward, and ``run`` (``AgentRun``: exit code, time, calls, the run's
-reward for the group's baseline, which is over runs, not branches). A failed run is not scored: its
+Every branch of a run carries the run's stop reason (``agent_done``; ``agent_error`` for a crash, an
+exit code not in ``env.scored_exit_codes``, an agent that never called; ``agent_timeout``;
+``token_budget`` when the session's call budget ran out), its own reward, and ``run``
+(``AgentRun``: exit code, time, calls, the run's reward for the group's baseline, which is over
+runs, not branches). A failed run is not scored: its
 branches keep reward 0 with the failure as their stop reason, and training leaves them out.
 Branches not to train (``reinforce``, ``skip_system``, a reward of None) say why in ``exclude``.
 """
@@ -17,6 +18,7 @@ import logging
 import math
 import re
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from turnrl.config import HarnessConfig
@@ -45,7 +47,7 @@ class Scoring:
     ) -> list[Trajectory]:
         """The run's branches, with its stop reason and rewards (a failed trajectory when it has none)."""
         branches = result.branches
-        stop, error = ending(exit, result, self.config.timeout_s, over_budget)
+        stop, error = ending(exit, result, self.config.timeout_s, over_budget, self.config.scored_exit_codes)
         if not branches:
             return [failed_trajectory(sample, index, error or "the agent never called the model", stop)]
         run = AgentRun(exit.code, round(exit.seconds, 3), result.calls)
@@ -92,9 +94,9 @@ class Scoring:
 
 
 def ending(
-    exit: Exit, result: HarnessResult, timeout: float, over_budget: bool
+    exit: Exit, result: HarnessResult, timeout: float, over_budget: bool, scored: Sequence[int] = (0,)
 ) -> tuple[StopReason, str | None]:
-    """The run's stop reason and error line."""
+    """The run's stop reason and error line (``scored``: the exit codes of a run that ended)."""
     last = (exit.stderr.strip().splitlines() or [""])[-1][-300:]
     said = f": {last}" if last else ""
     if exit.error is not None:
@@ -109,7 +111,7 @@ def ending(
         return StopReason.TOKEN_BUDGET, f"the agent made {result.calls} calls, its limit (env.max_calls)"
     if not result.branches:
         return StopReason.AGENT_ERROR, f"the agent never called the model (exit code {exit.code}){said}"
-    if exit.code != 0:
+    if exit.code not in scored:
         return StopReason.AGENT_ERROR, f"the agent exited with code {exit.code}{said}"
     return StopReason.AGENT_DONE, None
 
