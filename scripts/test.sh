@@ -19,6 +19,7 @@ names=(
   install_browser    # Debian's chromium, for the viewer's browser tests
   install_sandbox    # bubblewrap, for the code-execution sandbox's tests
   install_agents     # the Codex CLI (npm), for the gateway's coding-harness test
+  install_podman     # podman and an image built from Debian packages, for the container runtime's tests
   check_python_floor # the pins install on the oldest Python the README promises
   lint               # lint, format check, types, the docs site
 )
@@ -77,7 +78,7 @@ if "$PY" -m pip --version >/dev/null 2>&1; then
   early_server=1
   start install_server "${server[@]}" TURNRL_SERVER_PYTHON="$PY" TURNRL_SERVER_DEPS=0 bash scripts/install_server.sh
 fi
-for name in install_vllm install_browser install_sandbox install_agents; do
+for name in install_vllm install_browser install_sandbox install_agents install_podman; do
   start "$name" bash "scripts/$name.sh"
 done
 bash scripts/setup.sh

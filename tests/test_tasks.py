@@ -155,7 +155,7 @@ def test_check_tasks_refuses_such_a_task_before_running_any(tmp_path: Path) -> N
     done = turnrl("check-tasks", str(tmp_path))
     assert done.returncode == 2 and done.stderr.strip() == (
         f"turnrl: error: task boxed: Dockerfile line 3: RUN {NEEDS} (the local sandbox runs FROM, WORKDIR,"
-        " COPY, ENV and ARG only)"
+        " COPY, ENV and ARG only); turnrl check-tasks --podman checks it in containers"
     )
 
 

@@ -183,16 +183,23 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _check_tasks(args: argparse.Namespace, console: Console) -> int:
-    from turnrl.tasks import check_tasks, load_tasks
+    from turnrl.tasks import TaskError, check_tasks, load_tasks
     from turnrl.tasks.check import check_record, describe_check
+    from turnrl.tasks.dockerfile import NEEDS_CONTAINER
 
-    tasks = load_tasks(args.dir)
+    podman = shlex.split(args.podman) if args.podman else None
+    try:
+        tasks = load_tasks(args.dir, container=podman is not None)
+    except TaskError as exc:
+        if podman is None and NEEDS_CONTAINER in str(exc) and "compose" not in str(exc):
+            raise TaskError(f"{exc}; turnrl check-tasks --podman checks it in containers") from None
+        raise
     console.print(
         f"checking {len(tasks)} tasks under {args.dir}: each one's tests untouched, then after its solution"
     )
     checks = []
     out = Path(args.out) if args.out else None
-    for check in check_tasks(tasks, keep=Path(args.keep) if args.keep else None):
+    for check in check_tasks(tasks, keep=Path(args.keep) if args.keep else None, podman=podman):
         checks.append(check)
         console.print(describe_check(check), markup=False, highlight=False, soft_wrap=True)
         if out is not None:
@@ -238,6 +245,24 @@ def _config(args: argparse.Namespace, console: Console) -> int:
         print(f"# every key of a `turnrl {name}` config")
         print(render(field_docs(kind)))
     return 0
+
+
+def _add_check_tasks(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``check-tasks`` command's arguments."""
+    tasks = sub.add_parser(
+        "check-tasks",
+        help="run each task's solution in the sandbox: its tests must fail without it, pass with it",
+    )
+    tasks.add_argument("dir", help="a task folder (Harbor or SWE-style), or a folder of them")
+    tasks.add_argument("--keep", help="keep each check's folders under this folder (default: removed)")
+    tasks.add_argument("--out", help="also write one JSON line per task here (with the tests' output)")
+    tasks.add_argument(
+        "--podman",
+        metavar="COMMAND",
+        help="check in podman containers of each task's image (its whole Dockerfile built), run by"
+        " COMMAND: 'podman', or with podman's options ('podman --runtime /path/to/runc')",
+    )
+    tasks.set_defaults(func=_check_tasks)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,14 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run's folder (trajectories.jsonl, or a training run's rollouts/ and eval/) or a file",
     )
     check.set_defaults(func=_validate)
-    tasks = sub.add_parser(
-        "check-tasks",
-        help="run each task's solution in the sandbox: its tests must fail without it, pass with it",
-    )
-    tasks.add_argument("dir", help="a task folder (Harbor or SWE-style), or a folder of them")
-    tasks.add_argument("--keep", help="keep each check's folders under this folder (default: removed)")
-    tasks.add_argument("--out", help="also write one JSON line per task here (with the tests' output)")
-    tasks.set_defaults(func=_check_tasks)
+    _add_check_tasks(sub)
     demo = sub.add_parser("demo-model", help="build smollm2-135m-play: SmolLM2 warm-started (offline)")
     demo.set_defaults(func=_demo_model)
     cfg = sub.add_parser(

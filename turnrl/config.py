@@ -301,8 +301,18 @@ class EnvConfig(Strict):
 class SandboxConfig(Strict):
     """The sandbox every process of a harness run runs in (bubblewrap): the system read-only, the
     run's folder the only place it may write, a private /tmp and home, its own PID namespace (it
-    sees no other process, and all of it dies with the run), and on the network its gateway only."""
+    sees no other process, and all of it dies with the run), and on the network its gateway only.
+    With ``runtime: podman`` each process runs in a container of the task's image instead, with the
+    same folder, network and limits."""
 
+    runtime: Literal["bubblewrap", "podman"] = "bubblewrap"
+    """bubblewrap: this machine's system, read-only (a task's Dockerfile may only name a base image,
+    a working directory, files and variables); podman: a container of the image built from the
+    task's whole Dockerfile (``RUN`` steps included), or of ``image`` for a row that is no task."""
+    image: str | None = None
+    """podman: the image of runs whose row names no task with a Dockerfile or an image of its own."""
+    podman: list[str] = Field(default_factory=lambda: ["podman"])
+    """podman: the command, with podman's own options (``[podman, --runtime, /path/to/runc]``)."""
     memory_mb: int = Field(4096, ge=64)
     """Private writable memory of each process (RLIMIT_DATA): past it, allocations fail."""
     max_processes: int = Field(256, ge=8)

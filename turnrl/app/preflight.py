@@ -95,10 +95,8 @@ def check_harness(env: HarnessConfig, samples: Sequence[Sample]) -> None:
         raise RunError("no data: the data has no rows")
     check_prompts(samples)
     from turnrl.harness.process import check_command, check_preload
-    from turnrl.harness.sandbox import bwrap_missing
 
-    sandbox = bwrap_missing() if env.sandbox != "none" else None
-    problem = sandbox or check_command(env.command) or check_preload(env.preload)
+    problem = _sandbox_problem(env) or check_command(env.command) or check_preload(env.preload)
     if problem:
         raise RunError(problem)
     for hook, what in ((env.reward, "env.reward"), (env.setup, "env.setup")):
@@ -106,7 +104,29 @@ def check_harness(env: HarnessConfig, samples: Sequence[Sample]) -> None:
             import_object(hook, what)
     if env.folder and not Path(env.folder).is_dir():
         raise RunError(f"env.folder {env.folder!r} is not a folder")
-    tasks = [s.id for s in samples if isinstance(s.metadata, dict) and s.metadata.get("task")]
+    tasks = [s for s in samples if isinstance(s.metadata, dict) and s.metadata.get("task")]
     if tasks and env.sandbox == "none":  # plain processes cannot see the folder at the task's path
         why = "runs at its own path (/app) in a sandbox: drop env.sandbox: none"
-        raise RunError(f"row {tasks[0]} is a task, which {why}")
+        raise RunError(f"row {tasks[0].id} is a task, which {why}")
+    if tasks and env.sandbox != "none" and env.sandbox.runtime != "podman":
+        from turnrl.tasks.harness import task_of
+
+        for sample in tasks:  # one that needs a container is refused before any run starts
+            task = task_of(sample)
+            if task is not None and task.needs_container:
+                raise RunError(f"{task.needs_container}: set env.sandbox.runtime: podman")
+
+
+def _sandbox_problem(env: HarnessConfig) -> str | None:
+    """Why ``env.sandbox`` cannot run here (one line), or None."""
+    from turnrl.harness.sandbox import bwrap_missing
+
+    if env.sandbox == "none":
+        return None
+    if env.sandbox.runtime != "podman":
+        return bwrap_missing()
+    from turnrl.harness.container import podman_missing
+
+    if env.preload:
+        return "env.preload forks runs in the bubblewrap sandbox: drop it with env.sandbox.runtime: podman"
+    return podman_missing(env.sandbox)

@@ -231,16 +231,19 @@ def run_command(launch: Launch, timeout: float) -> CommandResult:
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    timed_out = False
+    timed_out, closed = False, False
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
         kill_group(proc.pid)
+        launch.close()  # before reading to the end: what holds the output open (a container) goes too
+        closed = True
         out, err = proc.communicate()
     finally:
         kill_group(proc.pid)
-        launch.close()
+        if not closed:
+            launch.close()
     code = None if timed_out else proc.returncode
     text = [data.decode("utf-8", "replace")[-TAIL:] for data in (out, err)]
     return CommandResult(code, text[0], text[1], timed_out, time.monotonic() - t0)

@@ -30,6 +30,7 @@ from typing import Any
 from turnrl.config import HarnessConfig
 from turnrl.gateway.server import Gateway
 from turnrl.gateway.serving import GatewayServer, serve
+from turnrl.harness.container import PodmanRuntime
 from turnrl.harness.forkserver import ForkServer
 from turnrl.harness.process import CommandResult, Exit, argv_for, run_agent, run_command
 from turnrl.harness.result import HarnessResult
@@ -74,13 +75,13 @@ class HarnessRunner:
             files = [
                 Path(a).parent for a in argv_for(config.command, "") if os.sep in a and Path(a).is_file()
             ]
-            self.runtime = BubblewrapRuntime(
-                config.sandbox, [*search_path(), *files], hidden=[out_dir, self.root]
-            )
+            kind = PodmanRuntime if config.sandbox.runtime == "podman" else BubblewrapRuntime
+            self.runtime = kind(config.sandbox, [*search_path(), *files], hidden=[out_dir, self.root])
         self._serving: asyncio.Future[GatewayServer] | None = None  # the gateway's start, shared by every run
         self._socket_dir: Path | None = None  # where the gateway's Unix socket is, for sandboxed runs
         self.forks = None
-        if config.preload:  # its imports see the variables every run has (env.env's fixed ones)
+        if config.preload and not isinstance(self.runtime, PodmanRuntime):  # (preflight refuses the pair)
+            # its imports see the variables every run has (env.env's fixed ones)
             fixed = {key: value for key, value in config.env.items() if "{" not in value}
             if isinstance(self.runtime, BubblewrapRuntime):  # in a sandbox; each run enters its own
                 box, root = self.runtime, self.root
@@ -93,7 +94,7 @@ class HarnessRunner:
         """The gateway's base URL (started on first use: runs that ask at once share one start)."""
         if self._serving is None:
             unix = None
-            if isinstance(self.runtime, BubblewrapRuntime):  # a short path: a socket's has at most 107 bytes
+            if not isinstance(self.runtime, LocalRuntime):  # a short path: a socket's has at most 107 bytes
                 self._socket_dir = Path(tempfile.mkdtemp(prefix="turnrl-gw-"))
                 unix = self._socket_dir / "gateway.sock"
             self._serving = asyncio.ensure_future(self._serve(unix))
@@ -101,7 +102,7 @@ class HarnessRunner:
 
     async def _serve(self, unix: Path | None) -> GatewayServer:
         served = await serve(self.gateway, unix=unix)
-        if unix is not None and isinstance(self.runtime, BubblewrapRuntime):
+        if unix is not None and isinstance(self.runtime, BubblewrapRuntime | PodmanRuntime):
             self.runtime.gateway = (served.port, unix)  # sandboxed runs reach it by the socket
         return served
 
@@ -132,6 +133,8 @@ class HarnessRunner:
             place = self.places(sample, run_dir) if self.places is not None else None
             self._prepare(sample, run_dir, folder, place)
             view = place.view() if place is not None else None
+            if view is not None:  # a container runtime: the folder starts as the image's (a build)
+                await asyncio.to_thread(self.runtime.populate, folder, view)
             inside = view.workdir if view is not None else str(folder)
             variables = self._environment(await self.url(), name, key, run_dir, inside)
             argv = argv_for(self.config.command, _prompt(sample))

@@ -2,11 +2,13 @@
 runs in the run's folder) run. A ``Runtime`` turns a command into a ``Launch`` (the argv that really
 starts, its variables and its limits); ``turnrl.harness.process`` starts launches and waits for them.
 
-Two runtimes ship: ``BubblewrapRuntime`` (``turnrl.harness.sandbox``, the default) and
-``LocalRuntime`` (``env.sandbox: none``): plain processes of the user, each under a keeper that
-kills whatever the agent left behind. A container or a remote sandbox plugs in as another
-``Runtime``: its ``launch`` gives the command that runs ``argv`` in the run's folder there (for
-example ``podman exec`` into the run's container), its ``close`` frees what a run held.
+Three runtimes ship: ``BubblewrapRuntime`` (``turnrl.harness.sandbox``, the default),
+``PodmanRuntime`` (``turnrl.harness.container``, ``env.sandbox.runtime: podman``: each command in a
+container of the task's image) and ``LocalRuntime`` (``env.sandbox: none``): plain processes of the
+user, each under a keeper that kills whatever the agent left behind. A remote sandbox plugs in as
+another ``Runtime``: its ``launch`` gives the command that runs ``argv`` in the run's folder there,
+its ``populate`` fills the folder from the place's image, and a ``Launch.close`` frees what a
+command held.
 
 A ``View`` places the run's folder and more folders at paths of the task's choosing inside the run
 (a Harbor task's working directory ``/app``, its tests at ``/tests``, ``/logs/verifier``): a
@@ -45,6 +47,9 @@ class View:
     workdir: str  # an absolute path
     binds: tuple[Bind, ...] = ()
     env: tuple[tuple[str, str], ...] = ()  # variables of the place (a Dockerfile's ENV), under the run's
+    build: Path | None = None  # a Dockerfile: a container runtime runs the run in its image
+    image: str | None = None  # a prebuilt image to run in (no Dockerfile)
+    needs: str | None = None  # why only a container runtime can run the place (one line), or None
 
 
 class Place(Protocol):
@@ -98,6 +103,10 @@ class Runtime(Protocol):
         ``gateway``: whether it reaches the run's gateway; ``view``: ``folder`` and more at other
         paths inside, where the runtime can place them)."""
 
+    def populate(self, folder: Path, view: View) -> None:
+        """Fill the run's ``folder`` (once, before the agent starts) with what the place's image
+        holds at ``view.workdir``: a container runtime's; a runtime without images does nothing."""
+
 
 class LocalRuntime:
     """Plain processes of the user (``env.sandbox: none``), each under a keeper (its own session;
@@ -118,6 +127,9 @@ class LocalRuntime:
         if view is not None:
             raise RuntimeError(NO_VIEW.format(workdir=view.workdir))
         return Launch(list(argv), keeper_argv(argv), {**os.environ, **env}, folder)
+
+    def populate(self, folder: Path, view: View) -> None:
+        """Nothing: plain processes have no image."""
 
 
 def keeper_argv(argv: Sequence[str], options: Sequence[str] = ()) -> list[str]:

@@ -117,6 +117,8 @@ class BubblewrapRuntime:
         ``view``: ``folder`` at its working directory, and its binds); ``Launch.forked`` says what
         the same sandbox is for a run the fork server forks (none with a view: such a run starts
         as a new process)."""
+        if view is not None and view.needs:
+            raise RuntimeError(f"{view.needs}: set env.sandbox.runtime: podman")
         bridge = self.gateway if gateway and self.config.network == "gateway" else None
         cgroup = RunCgroup.make(self.config.max_processes)
         capped = cgroup is not None and cgroup.limited
@@ -151,6 +153,10 @@ class BubblewrapRuntime:
             "bridge": [bridge[0], GATEWAY_SOCKET] if bridge is not None else None,
         }
         return launch
+
+    def populate(self, folder: Path, view: View) -> None:
+        """Nothing: the sandbox shows this machine's system, not an image (the task's copies are
+        made by its place)."""
 
     def variables(self, env: dict[str, str]) -> dict[str, str]:
         """A run's variables: the few of turnrl's it gets (PASSED), its home and /tmp, ``env``."""

@@ -7,11 +7,12 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from turnrl.config import SandboxConfig
+from turnrl.harness.container import PodmanRuntime
 from turnrl.harness.runtime import Runtime
 from turnrl.harness.sandbox import BubblewrapRuntime
 from turnrl.support.errors import describe
@@ -35,9 +36,14 @@ class TaskCheck:
         return self.problem is None
 
 
-def task_runtime(task: Task, root: Path) -> Runtime:
-    """The local sandbox for ``task``'s runs under ``root``: its memory from task.toml, no network."""
+def task_runtime(task: Task, root: Path, podman: Sequence[str] | None = None) -> Runtime:
+    """The runtime of ``task``'s checks under ``root`` (no network; its memory from task.toml): the
+    local sandbox, or ``podman`` (a command) running it in containers of its image."""
     memory = SandboxConfig().memory_mb if task.memory_mb is None else max(64, int(task.memory_mb))
+    if podman is not None:
+        return PodmanRuntime(
+            SandboxConfig(memory_mb=memory, runtime="podman", podman=list(podman)), hidden=[root]
+        )
     return BubblewrapRuntime(SandboxConfig(memory_mb=memory), hidden=[root])
 
 
@@ -90,14 +96,24 @@ def _done(
     return TaskCheck(task.name, untouched, solved, solve_s, problem, time.monotonic() - t0)
 
 
-def check_tasks(tasks: list[Task], keep: Path | None = None) -> Iterator[TaskCheck]:
+def check_tasks(
+    tasks: list[Task], keep: Path | None = None, podman: Sequence[str] | None = None
+) -> Iterator[TaskCheck]:
     """Each task checked in turn (yielded as it ends); the runs' folders kept under ``keep``, else
-    removed."""
+    removed; ``podman``: in containers of each task's image (``task_runtime``)."""
     root = Path(tempfile.mkdtemp(prefix="turnrl-tasks-")) if keep is None else keep
     root.mkdir(parents=True, exist_ok=True)
+    runtimes: dict[tuple[int | None, ...], Runtime] = {}  # one a memory size: a podman's image cache
+
+    def runtime(task: Task, root: Path) -> Runtime:
+        key = (task.memory_mb,)
+        if key not in runtimes:
+            runtimes[key] = task_runtime(task, root, podman)
+        return runtimes[key]
+
     try:
         for task in tasks:
-            yield check_task(task, root)
+            yield check_task(task, root, runtime)
     finally:
         if keep is None:
             shutil.rmtree(root, ignore_errors=True)

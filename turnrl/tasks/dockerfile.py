@@ -2,9 +2,11 @@
 (``FROM``), a working directory (``WORKDIR``), files copied from the build context into it
 (``COPY``/``ADD`` of local files) and variables (``ENV``, ``ARG`` with a default). Anything more
 (``RUN`` steps that install packages, a copy out of another stage, a download, a copy outside the
-working directory) needs a container runtime: ``Dockerfile.read`` refuses it with one line that
-names what it needs, so that no task runs half set up. The base image itself is not there: the
-sandbox shows this machine's system folders instead (its bash, python and coreutils)."""
+working directory) needs a container runtime: ``Dockerfile.read`` says so in one line (``needs``), and a task
+that needs one is refused on the local sandbox, so that no task runs half set up. The base image
+itself is not there: the sandbox shows this machine's system folders instead (its bash, python and
+coreutils). A container runtime (``turnrl.harness.container``) builds the whole Dockerfile
+instead, and takes only the final working directory from here."""
 
 from __future__ import annotations
 
@@ -40,13 +42,16 @@ class Dockerfile:
     workdir: str = DEFAULT_WORKDIR
     copies: tuple[Copy, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    needs: str | None = None  # the first thing only a container runtime does (one line), or None
 
     @classmethod
     def read(cls, path: Path, task: str) -> Dockerfile:
-        """``path`` parsed (its build context is its folder); ``TaskError`` naming ``task``, the
-        line and what it needs for anything the local sandbox cannot do."""
+        """``path`` parsed (its build context is its folder): what the local sandbox takes, and in
+        ``needs`` the first thing it cannot do (naming ``task``, the line and what it needs);
+        ``TaskError`` for a copy of a file the context does not have."""
         context = path.parent
         base: str | None = None
+        needs: list[str] = []
         workdir, copies, env = DEFAULT_WORKDIR, list[Copy](), dict[str, str]()
         pending: list[tuple[int, list[str], str]] = []  # copies resolved once the WORKDIR is final
         for number, line in _instructions(path.read_text(encoding="utf-8")):
@@ -54,8 +59,9 @@ class Dockerfile:
             word, rest = word.upper(), rest.strip()
             where = f"task {task}: {path.name} line {number}"
             if word == "FROM":
-                if base is not None:
-                    raise TaskError(f"{where}: a second FROM (a multi-stage build) {NEEDS_CONTAINER}")
+                if base is not None:  # the final stage is what runs: its working directory counts
+                    needs.append(f"{where}: a second FROM (a multi-stage build) {NEEDS_CONTAINER}")
+                    workdir, pending = DEFAULT_WORKDIR, []
                 base = rest.split()[0] if rest else None
             elif word == "WORKDIR":
                 workdir = posixpath.normpath(posixpath.join(workdir, _expand(rest, env)))
@@ -68,17 +74,21 @@ class Dockerfile:
                     if not a.startswith("--chown") and not a.startswith("--chmod")
                 ]
                 if any(a.startswith("--") for a in args):
-                    raise TaskError(f"{where}: {word} {args[0]} {NEEDS_CONTAINER}")
-                if word == "ADD" and any(re.match(r"^[a-z]+://", a) for a in args):
-                    raise TaskError(f"{where}: ADD of a URL downloads at build time and {NEEDS_CONTAINER}")
-                pending.append((number, [_expand(a, env) for a in args], workdir))
-            elif word in IGNORED:
-                continue
-            else:
-                raise TaskError(f"{where}: {word} {NEEDS_CONTAINER}")
+                    needs.append(f"{where}: {word} {args[0]} {NEEDS_CONTAINER}")
+                elif word == "ADD" and any(re.match(r"^[a-z]+://", a) for a in args):
+                    needs.append(f"{where}: ADD of a URL downloads at build time and {NEEDS_CONTAINER}")
+                else:
+                    pending.append((number, [_expand(a, env) for a in args], workdir))
+            elif word not in IGNORED:
+                needs.append(f"{where}: {word} {NEEDS_CONTAINER}")
         for number, args, at in pending:
-            copies += _copies(args, at, workdir, context, f"task {task}: {path.name} line {number}")
-        return cls(base, workdir, tuple(copies), env)
+            where = f"task {task}: {path.name} line {number}"
+            outside = _outside(args, at, workdir, where)
+            if outside:
+                needs.append(outside)
+            else:
+                copies += _copies(args, at, workdir, context, where)
+        return cls(base, workdir, tuple(copies), env, needs[0] if needs else None)
 
 
 def _instructions(text: str) -> list[tuple[int, str]]:
@@ -122,17 +132,24 @@ def _assignments(rest: str, env: dict[str, str], default_only: bool) -> dict[str
     return found
 
 
+def _outside(args: list[str], at: str, workdir: str, where: str) -> str | None:
+    """Why ``COPY SRC... DEST`` needs a container (its destination is outside the working
+    directory, where only the run's folder is the task's), or None."""
+    if len(args) < 2:
+        return None
+    target = posixpath.normpath(posixpath.join(at, args[-1]))
+    inside = posixpath.relpath(target, workdir)
+    if inside == ".." or inside.startswith("../"):
+        return f"{where}: COPY to {target}, outside the working directory {workdir}, {NEEDS_CONTAINER}"
+    return None
+
+
 def _copies(args: list[str], at: str, workdir: str, context: Path, where: str) -> list[Copy]:
     """``COPY SRC... DEST`` as copies under the final working directory."""
     if len(args) < 2:
         raise TaskError(f"{where}: COPY needs a source and a destination")
     *sources, dest = args
-    target = posixpath.normpath(posixpath.join(at, dest))
-    inside = posixpath.relpath(target, workdir)
-    if inside == ".." or inside.startswith("../"):
-        raise TaskError(
-            f"{where}: COPY to {target}, outside the working directory {workdir}, {NEEDS_CONTAINER}"
-        )
+    inside = posixpath.relpath(posixpath.normpath(posixpath.join(at, dest)), workdir)
     copies = []
     for source in sources:
         path = (context / source).resolve()

@@ -19,7 +19,7 @@ from turnrl.types import Sample
 
 @functools.lru_cache(maxsize=4096)
 def _task(path: str) -> Task:
-    return load_task(path)
+    return load_task(path, container=True)  # one that needs a container: the run's checks say so
 
 
 def task_of(sample: Sample) -> Task | None:

@@ -54,6 +54,9 @@ class Task:
     memory_mb: int | None = None
     base_image: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    dockerfile: Path | None = None  # environment/Dockerfile: what a container runtime builds
+    image: str | None = None  # task.toml's prebuilt [environment] docker_image (no Dockerfile)
+    needs_container: str | None = None  # why only a container runtime runs it (one line), or None
 
     @property
     def reward_file(self) -> bool:
@@ -61,9 +64,10 @@ class Task:
         return self.tests is not None
 
 
-def load_task(path: str | Path) -> Task:
+def load_task(path: str | Path, container: bool = False) -> Task:
     """The task in folder ``path``; ``TaskError`` (one line, naming the task) when it is not a
-    task of either form or needs more than the local sandbox."""
+    task of either form, or needs more than the local sandbox and ``container`` is False (True: a
+    container runtime will build it; ``Task.needs_container`` says why it needs one)."""
     folder = Path(path)
     name = folder.name
     instruction = _read(folder / "instruction.md", name)
@@ -86,7 +90,10 @@ def load_task(path: str | Path) -> Task:
     }
     if "swe" in config:
         return _swe(folder, config["swe"], common)
-    return _harbor(folder, environment, common)
+    task = _harbor(folder, environment, common)
+    if task.needs_container and not container:
+        raise TaskError(task.needs_container)
+    return task
 
 
 def _harbor(folder: Path, environment: dict[str, Any], common: dict[str, Any]) -> Task:
@@ -95,13 +102,17 @@ def _harbor(folder: Path, environment: dict[str, Any], common: dict[str, Any]) -
         raise TaskError(f"task {name}: no tests/test.sh (a Harbor task's verifier) and no [swe] test_command")
     env_dir = folder / "environment"
     compose = [f for f in COMPOSE if (env_dir / f).is_file()]
-    if compose:
-        raise TaskError(f"task {name}: environment/{compose[0]} (services beside the task) {NEEDS_CONTAINER}")
+    if compose:  # a container runtime here runs one container a run, not services beside it
+        raise TaskError(
+            f"task {name}: environment/{compose[0]} (services beside the task) {NEEDS_CONTAINER}"
+            " that runs compose files (turnrl's runtimes run one container a run)"
+        )
     dockerfile = env_dir / "Dockerfile"
+    image = environment.get("docker_image")
     if dockerfile.is_file():
         built = Dockerfile.read(dockerfile, name)
-    elif environment.get("docker_image"):
-        raise TaskError(f"task {name}: the prebuilt image {environment['docker_image']} {NEEDS_CONTAINER}")
+    elif image:
+        built = Dockerfile(needs=f"task {name}: the prebuilt image {image} {NEEDS_CONTAINER}")
     else:
         built = Dockerfile()
     return Task(
@@ -110,7 +121,10 @@ def _harbor(folder: Path, environment: dict[str, Any], common: dict[str, Any]) -
         copies=built.copies,
         env=built.env,
         tests=(folder / "tests").resolve(),
-        base_image=built.base or environment.get("docker_image"),
+        base_image=built.base or image,
+        dockerfile=dockerfile.resolve() if dockerfile.is_file() else None,
+        image=None if dockerfile.is_file() else image,
+        needs_container=built.needs,
     )
 
 
@@ -130,18 +144,18 @@ def _swe(folder: Path, swe: dict[str, Any], common: dict[str, Any]) -> Task:
     return Task(**common, workdir=workdir, copies=(Copy(repo.resolve(), "."),), test_command=command)
 
 
-def load_tasks(path: str | Path) -> list[Task]:
+def load_tasks(path: str | Path, container: bool = False) -> list[Task]:
     """Every task under ``path`` (a task folder, or a folder of them at any depth), sorted by name;
-    ``TaskError`` for the first that cannot run here."""
+    ``TaskError`` for the first that cannot run here (``container``: as ``load_task``)."""
     root = Path(path)
     if not root.is_dir():
         raise TaskError(f"{path}: no such folder of tasks")
     if (root / "instruction.md").is_file():
-        return [load_task(root)]
+        return [load_task(root, container)]
     folders = sorted({p.parent for p in root.rglob("instruction.md")})
     if not folders:
         raise TaskError(f"{path}: no task folders (each has an instruction.md)")
-    tasks = [load_task(folder) for folder in folders]
+    tasks = [load_task(folder, container) for folder in folders]
     seen: dict[str, Path] = {}
     for task in tasks:
         if task.name in seen:
@@ -152,8 +166,9 @@ def load_tasks(path: str | Path) -> list[Task]:
 
 def rows(path: str, repeat: int = 1) -> list[dict[str, Any]]:
     """The tasks under ``path`` as data rows (``data: {generator: "turnrl.tasks:rows", kwargs:
-    {path: ...}}``): the instruction as the prompt, the task's folder in ``metadata.task``."""
-    tasks = load_tasks(path)
+    {path: ...}}``): the instruction as the prompt, the task's folder in ``metadata.task``. A task
+    that needs a container runtime is a row too: the run's checks refuse it on the local sandbox."""
+    tasks = load_tasks(path, container=True)
     return [
         {
             "id": task.name if repeat == 1 else f"{task.name}/{i}",

@@ -52,17 +52,20 @@ class Workspace:
     ``run_dir/logs``), and its commands, run by ``run`` (``in_runtime``; a harness run's own: its
     ``HarnessResult.run``). A harness ``Place``: what an agent sees of a task."""
 
-    def __init__(self, task: Task, run_dir: Path, run: Run | None = None) -> None:
+    def __init__(
+        self, task: Task, run_dir: Path, run: Run | None = None, runtime: Runtime | None = None
+    ) -> None:
         self.task = task
         self.run_dir = run_dir
         self.folder = run_dir / "work"
         self.logs = run_dir / "logs"
         self._run = run
+        self._runtime = runtime  # fills the folder from the task's image, where it has images
 
     @classmethod
     def in_runtime(cls, task: Task, run_dir: Path, runtime: Runtime) -> Workspace:
-        """A workspace whose commands run in ``runtime``."""
-        return cls(task, run_dir, in_runtime(runtime, run_dir / "work"))
+        """A workspace whose commands run in ``runtime`` (which ``prepare`` fills the folder with)."""
+        return cls(task, run_dir, in_runtime(runtime, run_dir / "work"), runtime)
 
     @property
     def timeout_s(self) -> float:
@@ -71,7 +74,8 @@ class Workspace:
 
     def prepare(self) -> Path:
         """The run's folder, made from the task's files (its Dockerfile's copies, or the
-        repository); the logs' folders beside it. Returns the folder."""
+        repository; in a container runtime, what its image holds at the working directory); the
+        logs' folders beside it. Returns the folder."""
         self.folder.mkdir(parents=True)
         for sub in ("verifier", "agent"):
             (self.logs / sub).mkdir(parents=True)
@@ -82,6 +86,8 @@ class Workspace:
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(copy.source, target)
+        if self._runtime is not None:
+            self._runtime.populate(self.folder, self.view())
         return self.folder
 
     def view(self, tests: bool = False, solution: bool = False) -> View:
@@ -97,7 +103,15 @@ class Workspace:
         if solution and self.task.solution is not None:
             binds.append(Bind(self.task.solution.parent, SOLUTION))
         variables = {**self.task.env, **(self.task.verifier_env if tests else {})}
-        return View(self.task.workdir, tuple(binds), tuple(variables.items()))
+        task = self.task
+        return View(
+            task.workdir,
+            tuple(binds),
+            tuple(variables.items()),
+            task.dockerfile,
+            task.image,
+            task.needs_container,
+        )
 
     def run(
         self,
