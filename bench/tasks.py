@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--tasks", default="examples/tasks")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--podman", help="the podman command (with its options): in containers")
+    parser.add_argument("--image", help="with --podman: the image of tasks that name none (SWE-style)")
     args = parser.parse_args()
     podman = shlex.split(args.podman) if args.podman else None
     tasks = load_tasks(args.tasks, container=podman is not None)
@@ -37,7 +38,7 @@ def main() -> None:
     rows: dict[str, list[list[float]]] = {}
     try:
         for task in tasks:
-            box = task_runtime(task, root, podman)
+            box = task_runtime(task, root, podman, args.image)
             if isinstance(box, PodmanRuntime):  # the build is once a task, not a run's cost
                 box.image(Workspace(task, root).view())
             for i in range(args.repeat):
@@ -52,7 +53,7 @@ def main() -> None:
                 rows.setdefault(task.name, []).append([prepared, empty, solved, tests.seconds])
         t0 = time.perf_counter()
         for task in tasks:
-            box = task_runtime(task, root, podman)
+            box = task_runtime(task, root, podman, args.image)
             space = Workspace.in_runtime(task, root / f"{task.name}-set", box)
             space.prepare()
             space.solve()

@@ -41,7 +41,7 @@ def _unit(nodeid: str) -> str:
 
 
 # Left out of ``--quick`` (scripts/quick.sh, the inner loop): modules that need a part the setup
-# installs (vLLM, llama.cpp's server, a browser, bubblewrap, the Codex CLI) or that run the CLI,
+# installs (vLLM, llama.cpp's server, a browser, bubblewrap, podman, the Codex CLI) or that run the CLI,
 # trainers on several processes or servers end to end, or fuzz, kill and resume at length: in the
 # quick loop what stays checks each part (5,100 s of the suite's 5,700 s of test time, 834 of its
 # 1,336 tests, are left out: 4 min 36 s in all on 2 idle cores, lint included).
@@ -50,6 +50,7 @@ NOT_QUICK = frozenset(
     {
         *VLLM_MODULES,
         "test_cli",
+        "test_container",
         "test_demo_model",
         "test_distributed",
         "test_docs",

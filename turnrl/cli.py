@@ -199,7 +199,8 @@ def _check_tasks(args: argparse.Namespace, console: Console) -> int:
     )
     checks = []
     out = Path(args.out) if args.out else None
-    for check in check_tasks(tasks, keep=Path(args.keep) if args.keep else None, podman=podman):
+    keep = Path(args.keep) if args.keep else None
+    for check in check_tasks(tasks, keep=keep, podman=podman, image=args.image):
         checks.append(check)
         console.print(describe_check(check), markup=False, highlight=False, soft_wrap=True)
         if out is not None:
@@ -262,6 +263,7 @@ def _add_check_tasks(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="check in podman containers of each task's image (its whole Dockerfile built), run by"
         " COMMAND: 'podman', or with podman's options ('podman --runtime /path/to/runc')",
     )
+    tasks.add_argument("--image", help="with --podman: the image of tasks that name none (SWE-style ones)")
     tasks.set_defaults(func=_check_tasks)
 
 

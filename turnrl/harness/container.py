@@ -27,14 +27,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from turnrl.config import SandboxConfig
-from turnrl.harness.runtime import Launch, View, keeper_argv
+from turnrl.harness.runtime import Launch, View, keeper_argv, shown_paths
 from turnrl.tools.sandbox import SYSTEM_DIRS
 
 BUILD_TIMEOUT_S = 3600.0  # a build that installs packages may take long; this bounds it
@@ -71,14 +70,10 @@ class PodmanRuntime:
             raise RuntimeError(missing)
         self.config = config
         self.podman = [shutil.which(config.podman[0]) or config.podman[0], *config.podman[1:]]
-        python = {sys.prefix, os.path.realpath(sys.executable).rsplit("/bin/", 1)[0]}
-        package = str(Path(__file__).resolve().parents[1])
-        paths = [*python, package, *map(str, visible), *config.read_only]
-        real = {os.path.realpath(p) for p in paths if os.path.exists(p)}
-        self.visible = sorted(real - COVERS, key=len)
+        self.visible = sorted(shown_paths(visible, config.read_only) - COVERS, key=len)  # not the image's own
         self.hidden = [str(Path(p).resolve()) for p in hidden]
         self.gateway = gateway  # the port agents call, and the gateway's Unix socket
-        self._images: dict[str, str] = {}
+        self._images: dict[str, str] = {}  # a Dockerfile's path: its image's tag
         self._lock = threading.Lock()
 
     def image(self, view: View | None) -> str:
@@ -173,18 +168,19 @@ class PodmanRuntime:
         return cmd
 
     def _build(self, dockerfile: Path) -> str:
-        """The image of ``dockerfile`` (its folder the build context), built once per content."""
+        """The image of ``dockerfile`` (its folder the build context), built once per content (the
+        folder is read once a runtime: a task does not change during a run)."""
         context = dockerfile.parent
-        digest = _digest(context)
         with self._lock:
-            if digest in self._images:
-                return self._images[digest]
+            if str(dockerfile) in self._images:
+                return self._images[str(dockerfile)]
+            digest = _digest(context)
             task = re.sub(r"[^a-z0-9._-]", "-", context.parent.name.lower())[:60] or "task"
             tag = f"localhost/turnrl-task-{task}:{digest[:16]}"
             if self._podman(["image", "exists", tag], None).returncode != 0:
                 args = ["build", "--quiet", "--tag", tag, "--file", str(dockerfile), str(context)]
                 self._podman(args, f"podman build of {dockerfile}", BUILD_TIMEOUT_S)
-            self._images[digest] = tag
+            self._images[str(dockerfile)] = tag
             return tag
 
     def _podman(

@@ -132,6 +132,16 @@ class LocalRuntime:
         """Nothing: plain processes have no image."""
 
 
+def shown_paths(visible: Sequence[str | Path], read_only: Sequence[str]) -> set[str]:
+    """The host folders a sandboxed run sees read-only at their own paths: turnrl's Python
+    environment and package, ``visible`` (where the command and hooks come from) and ``read_only``
+    (``env.sandbox.read_only``), those that exist, their links resolved."""
+    python = {sys.prefix, sys.base_prefix, os.path.realpath(sys.executable).rsplit("/bin/", 1)[0]}
+    package = str(Path(__file__).resolve().parents[1])  # turnrl itself (the keeper, the call runner)
+    paths = [*python, package, *map(str, visible), *read_only]
+    return {os.path.realpath(p) for p in paths if os.path.exists(p)}
+
+
 def keeper_argv(argv: Sequence[str], options: Sequence[str] = ()) -> list[str]:
     """``argv`` run by the keeper (``python -I -S``: no site-packages, a fast start), with its
     ``options`` (``--bridge``, ``--cgroup``, ``--limit``: see ``turnrl.harness.keeper``)."""

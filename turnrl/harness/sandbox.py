@@ -34,7 +34,7 @@ from pathlib import Path
 
 from turnrl.config import SandboxConfig
 from turnrl.harness.cgroup import RunCgroup, cgroup_roots
-from turnrl.harness.runtime import Launch, View, keeper_argv
+from turnrl.harness.runtime import Launch, View, keeper_argv, shown_paths
 from turnrl.tools.sandbox import SYSTEM_DIRS, SYSTEM_FILES
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,7 @@ class BubblewrapRuntime:
             raise RuntimeError(missing)
         self.bwrap = shutil.which("bwrap") or "bwrap"
         self.config = config
-        python = {sys.prefix, sys.base_prefix, os.path.realpath(sys.executable).rsplit("/bin/", 1)[0]}
-        package = str(Path(__file__).resolve().parents[1])  # turnrl itself (the keeper, the call runner)
-        paths = [*python, package, *map(str, visible), *config.read_only]
-        real = {os.path.realpath(p) for p in paths if os.path.exists(p)}
+        real = shown_paths(visible, config.read_only)
         for whole in sorted(real & COVERS_TMP):  # a config kept in /tmp, say
             log.warning(
                 f"the sandbox does not show {whole} whole (other runs' folders are there): {NOT_WHOLE}"

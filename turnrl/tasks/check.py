@@ -36,14 +36,16 @@ class TaskCheck:
         return self.problem is None
 
 
-def task_runtime(task: Task, root: Path, podman: Sequence[str] | None = None) -> Runtime:
+def task_runtime(
+    task: Task, root: Path, podman: Sequence[str] | None = None, image: str | None = None
+) -> Runtime:
     """The runtime of ``task``'s checks under ``root`` (no network; its memory from task.toml): the
-    local sandbox, or ``podman`` (a command) running it in containers of its image."""
+    local sandbox, or ``podman`` (a command) running it in containers of its image (``image``: of a
+    task without one, a SWE-style task)."""
     memory = SandboxConfig().memory_mb if task.memory_mb is None else max(64, int(task.memory_mb))
     if podman is not None:
-        return PodmanRuntime(
-            SandboxConfig(memory_mb=memory, runtime="podman", podman=list(podman)), hidden=[root]
-        )
+        config = SandboxConfig(memory_mb=memory, runtime="podman", podman=list(podman), image=image)
+        return PodmanRuntime(config, hidden=[root])
     return BubblewrapRuntime(SandboxConfig(memory_mb=memory), hidden=[root])
 
 
@@ -97,10 +99,13 @@ def _done(
 
 
 def check_tasks(
-    tasks: list[Task], keep: Path | None = None, podman: Sequence[str] | None = None
+    tasks: list[Task],
+    keep: Path | None = None,
+    podman: Sequence[str] | None = None,
+    image: str | None = None,
 ) -> Iterator[TaskCheck]:
     """Each task checked in turn (yielded as it ends); the runs' folders kept under ``keep``, else
-    removed; ``podman``: in containers of each task's image (``task_runtime``)."""
+    removed; ``podman``, ``image``: in containers of each task's image (``task_runtime``)."""
     root = Path(tempfile.mkdtemp(prefix="turnrl-tasks-")) if keep is None else keep
     root.mkdir(parents=True, exist_ok=True)
     runtimes: dict[tuple[int | None, ...], Runtime] = {}  # one a memory size: a podman's image cache
@@ -108,7 +113,7 @@ def check_tasks(
     def runtime(task: Task, root: Path) -> Runtime:
         key = (task.memory_mb,)
         if key not in runtimes:
-            runtimes[key] = task_runtime(task, root, podman)
+            runtimes[key] = task_runtime(task, root, podman, image)
         return runtimes[key]
 
     try:
