@@ -7,6 +7,7 @@ container, sees none of the host and reaches nothing else on loopback; no contai
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from turnrl.config import SandboxConfig
-from turnrl.harness.container import PodmanRuntime
+from turnrl.harness.container import ROOTLESS, PodmanRuntime, podman_missing
 from turnrl.harness.process import run_command
 from turnrl.harness.runtime import Bind, View
 from turnrl.tasks import TaskError, load_task
@@ -192,3 +193,19 @@ def test_a_command_past_its_timeout_leaves_no_container(tmp_path: Path, image_ve
     result = run_command(runtime.launch(["sleep", "60"], tmp_path, {}, view=View("/app")), 3)
     assert result.timed_out and result.seconds < 30
     assert containers() == before
+
+
+def test_rootless_podman_checks_tasks_but_runs_no_agent_behind_the_gateways_bridge(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rootless podman cannot start inside the bridge's network namespace (a user namespace in a
+    user namespace; tried on this machine as a second user): a run with agents is refused in one
+    line that says what to do, while check-tasks (no agent, no bridge) and the machine's network run."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    config = SandboxConfig(runtime="podman", podman=PODMAN, image=IMAGE)
+    assert podman_missing(config) == ROOTLESS and "\n" not in ROOTLESS
+    assert podman_missing(config, agents=False) is None
+    assert podman_missing(SandboxConfig(runtime="podman", network="host")) is None
+    runtime = PodmanRuntime(config, gateway=(1, Path("/nonexistent.sock")))
+    with pytest.raises(RuntimeError, match="rootless podman cannot start inside the network namespace"):
+        runtime.launch(["true"], Path("/tmp"), {}, view=View("/app"))

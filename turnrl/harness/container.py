@@ -41,10 +41,20 @@ PODMAN_TIMEOUT_S = 120.0  # create, cp, rm
 COVERS = frozenset({"/", "/tmp", *SYSTEM_DIRS})  # never bound whole: the image's own
 
 
-def podman_missing(config: SandboxConfig) -> str | None:
-    """Why ``config``'s podman runtime cannot run here (one line), or None."""
+ROOTLESS = (
+    "env.sandbox.runtime podman as a user other than root: rootless podman cannot start inside the"
+    " network namespace that bridges the gateway (a user namespace in a user namespace); run turnrl as"
+    " root, or set env.sandbox.network: host (the machine's network)"
+)
+
+
+def podman_missing(config: SandboxConfig, agents: bool = True) -> str | None:
+    """Why ``config``'s podman runtime cannot run here (one line), or None (``agents``: it also
+    runs agents, which reach their gateway through a bridge)."""
     if shutil.which(config.podman[0]) is None:
         return f"env.sandbox.runtime podman: {config.podman[0]} is not installed (apt-get install podman)"
+    if agents and config.network == "gateway" and os.geteuid() != 0:
+        return ROOTLESS
     if config.network == "gateway" and shutil.which("bwrap") is None:
         return (
             "env.sandbox.runtime podman: its gateway network is a bubblewrap network namespace"
@@ -65,7 +75,7 @@ class PodmanRuntime:
         hidden: Sequence[str | Path] = (),
         gateway: tuple[int, Path] | None = None,
     ) -> None:
-        missing = podman_missing(config)
+        missing = podman_missing(config, agents=False)
         if missing:
             raise RuntimeError(missing)
         self.config = config
@@ -126,8 +136,10 @@ class PodmanRuntime:
             cmd += ["--env", key]
         cmd += [image, *argv]
         close = _remover([*self.podman, "rm", "-f", "-t", "0", name])
-        if bridge is None:
+        if bridge is None:  # no agent, or the machine's network
             return Launch(list(argv), keeper_argv(cmd), {**os.environ, **variables}, folder, close, True)
+        if os.geteuid() != 0:
+            raise RuntimeError(ROOTLESS)
         netns = [
             shutil.which("bwrap") or "bwrap",
             "--dev-bind",
@@ -178,7 +190,10 @@ class PodmanRuntime:
             task = re.sub(r"[^a-z0-9._-]", "-", context.parent.name.lower())[:60] or "task"
             tag = f"localhost/turnrl-task-{task}:{digest[:16]}"
             if self._podman(["image", "exists", tag], None).returncode != 0:
-                args = ["build", "--quiet", "--tag", tag, "--file", str(dockerfile), str(context)]
+                # the machine's network for RUN steps (the task author's, as docker build's): a rootless
+                # podman's default (slirp4netns) needs /dev/net/tun, which some machines withhold
+                args = ["build", "--quiet", "--network", "host", "--tag", tag, "--file", str(dockerfile)]
+                args.append(str(context))
                 self._podman(args, f"podman build of {dockerfile}", BUILD_TIMEOUT_S)
             self._images[str(dockerfile)] = tag
             return tag
