@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from turnrl.testing import ParityEnv
 from turnrl.train.batch import step_prompts
 from turnrl.train.config import LoraSettings, TrainConfig, load_train_config
 from turnrl.train.metrics import read_metrics
+from turnrl.train import trainer
+from turnrl.train import update as update_module
 from turnrl.train.trainer import train_step
 from turnrl.types import Sample, SamplingParams
 
@@ -75,6 +80,33 @@ async def test_a_step_changes_the_policy_and_the_engine(tmp_path: Path, tiny_qwe
         "stop/length",
     ):
         assert key in metrics
+
+
+async def test_every_steps_update_runs_on_the_runs_one_learner_thread(
+    tmp_path: Path, tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps' updates run on one thread of the run's own (not asyncio's shared pool, where each
+    step could land on another thread and keep another heap arena at its peak), and each update
+    hands the heap's free memory back (``turnrl.support.heap``)."""
+    threads: list[str] = []
+    trims: list[str] = []
+    real_update = trainer.update
+
+    def recorded(*args: Any) -> dict[str, float]:
+        threads.append(threading.current_thread().name)
+        return real_update(*args)
+
+    monkeypatch.setattr(trainer, "update", recorded)
+    monkeypatch.setattr(update_module, "trim_heap", lambda: trims.append(threading.current_thread().name))
+    run = build_run(config(tmp_path, tiny_qwen3_dir), overwrite=False, resume=False, console=QUIET)
+    try:
+        for step in (1, 2, 3):
+            await train_step(run, step)
+            await asyncio.gather(*(asyncio.to_thread(time.sleep, 0.01) for _ in range(8)))  # busy pool
+    finally:
+        await run.engine.close()
+    assert len(threads) >= 2 and set(threads) == {"turnrl-learner_0"}
+    assert trims == threads
 
 
 async def test_bfloat16_precision_trains_float32_weights_with_bfloat16_products(

@@ -31,7 +31,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,6 +49,7 @@ from turnrl.gateway.server import Gateway
 from turnrl.models.loading import load_model
 from turnrl.record.writer import JsonlWriter
 from turnrl.support.errors import describe
+from turnrl.support.heap import learner_thread
 from turnrl.support.imports import import_object
 from turnrl.train.batch import batches_of, build_samples, packs
 from turnrl.train.config import AlgorithmConfig, LearnConfig, OptimConfig, TrainLoopConfig
@@ -147,7 +147,7 @@ class Learning:
         self.served_score: float | None = None
         self._metrics = JsonlWriter(self.folder / "metrics.jsonl")
         self._updating: asyncio.Future[dict[str, float]] | None = None  # the update thread of a step
-        self._executor = ThreadPoolExecutor(1, "turnrl-learner", _lower_priority, (learn.nice,))
+        self._executor = learner_thread("turnrl-learner", _lower_priority, (learn.nice,))
         if resumed:
             self._restore(saved)
 

@@ -69,6 +69,7 @@ async def run_training(run: Run) -> dict[str, Any]:
         log.close()
         await close_spec(run.spec)  # a harness's gateway, Ray env workers
         await run.engine.close()
+        run.updates.shutdown(wait=False)  # idle: the last update has ended
         engine = config.engine
         if run.weights_dir is not None and not (isinstance(engine, VLLMEngineConfig) and engine.weights_dir):
             shutil.rmtree(run.weights_dir, ignore_errors=True)

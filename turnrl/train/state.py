@@ -3,6 +3,7 @@ and where the run writes and reports. ``app.training`` builds it from a config."
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from rich.console import Console
 
 from turnrl.rollout.collector import OnDone
 from turnrl.rollout.spec import RolloutSpec
+from turnrl.support.heap import learner_thread
 from turnrl.train.config import TrainConfig
 from turnrl.train.data_parallel import Ranks
 from turnrl.train.progress import TrainProgress
@@ -41,6 +43,7 @@ class Run:
     resumed: bool = False  # restored from a checkpoint (the step-0 evaluation and warm start are done)
     progress: TrainProgress | None = None  # the console's progress bars, while training runs
     weights_dir: Path | None = None  # where weight updates for server engines are written
+    updates: ThreadPoolExecutor = field(default_factory=learner_thread)  # every step's update runs here
 
     @property
     def config(self) -> TrainConfig:

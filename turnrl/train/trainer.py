@@ -65,10 +65,11 @@ async def learn_from(run: Run, rollout: StepRollout, t0: float, cpu0: float) -> 
     everyone = sum_across([tokens, len(samples), rollout.counts.refused], ranks)
     tokens, trained = int(everyone[0]), int(everyone[1])
     metrics |= {"train/samples": trained, "train/tokens": tokens, "train/refused_versions": everyone[2]}
-    # 3. the update, in a worker thread (rollouts in flight go on meanwhile)
+    # 3. the update, in the run's learner thread (rollouts in flight go on meanwhile)
     if trained:
         batches = _batches(run, samples)
-        metrics |= await asyncio.to_thread(update, run.learner, batches, tokens)
+        loop = asyncio.get_running_loop()  # one thread for every step: one heap arena (support.heap)
+        metrics |= await loop.run_in_executor(run.updates, update, run.learner, batches, tokens)
         # tokens not run again, over every rank (under FSDP, where the ranks' votes left a prefix)
         shared = sum(b.shared_prefix * (len(b.input_ids_B_T) - 1) for b in batches)
         metrics["train/prefix_tokens_shared"] = sum_across([shared], ranks)[0]

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from turnrl.support.heap import trim_heap
 from turnrl.support.openmp import release_pool
 from turnrl.train.batch import Batch
 from turnrl.train.config import AlgorithmConfig, OptimConfig, TrainLoopConfig
@@ -80,13 +81,15 @@ def trainable_parameters(model: Any, patterns: list[str]) -> list[torch.nn.Param
 
 
 def update(learner: Learner, batches: list[Batch], tokens: int) -> dict[str, float]:
-    """Old logprobs, then the optimizer steps (``update_policy``); their metrics. Run in a worker
-    thread, it hands the cores back to the engine when done (``turnrl.support.openmp``)."""
+    """Old logprobs, then the optimizer steps (``update_policy``); their metrics. Run in the run's
+    learner thread, it hands the cores back to the engine when done (``turnrl.support.openmp``),
+    and the memory its activations took back to the system (``turnrl.support.heap``)."""
     try:
         prepared = fill_old_logprobs(learner, batches) if batches or learner.sharded is not None else {}
         return prepared | update_policy(learner, batches, tokens)
     finally:
         release_pool()
+        trim_heap()
 
 
 def logprobs_of(learner: Learner, model: Any, batch: Batch) -> torch.Tensor:
