@@ -20,11 +20,11 @@ from turnrl.app.training import build_run, train
 from turnrl.config import ConfigError
 from turnrl.env import register_env
 from turnrl.testing import ParityEnv
+from turnrl.train import trainer
+from turnrl.train import update as update_module
 from turnrl.train.batch import step_prompts
 from turnrl.train.config import LoraSettings, TrainConfig, load_train_config
 from turnrl.train.metrics import read_metrics
-from turnrl.train import trainer
-from turnrl.train import update as update_module
 from turnrl.train.trainer import train_step
 from turnrl.types import Sample, SamplingParams
 
