@@ -11,6 +11,7 @@ the latency of a call (p50, p99). Reward to weights: per step, from the post of 
 completed its batch to the moment the step's weights are served.
 
     .venv/bin/python bench/learning.py [--sessions 8] [--seconds 60] [--repeats 2] [--nice 19] [--lr 1e-9]
+        [--swap between_calls|in_flight]
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> None:
     same = "the default does a step's whole work and leaves the answers as they were"
     parser.add_argument("--lr", type=float, default=1e-9, help=f"the learner's rate: {same}")
     parser.add_argument("--nice", type=int, default=19, help="learn.nice")
+    parser.add_argument("--swap", choices=["between_calls", "in_flight"], default="between_calls")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     config = LearningGatewayConfig.model_validate(
@@ -105,6 +107,7 @@ def main() -> None:
                 "optim": {"lr": args.lr},
                 "train": {"save_every": 0},
                 "nice": args.nice,
+                "swap": args.swap,
             },
         }
     )
@@ -157,7 +160,7 @@ def main() -> None:
     counts = learning.counts
     print(
         f"model {args.model}, {args.sessions} concurrent sessions, max_tokens {args.max_tokens}, "
-        f"{args.repeats} x {args.seconds:.0f} s per phase, lr {args.lr}, nice {args.nice}; "
+        f"{args.repeats} x {args.seconds:.0f} s per phase, lr {args.lr}, nice {args.nice}, swap {args.swap}; "
         f"steps {learning.step}, served {int(counts['served_steps'])}, stale sessions {int(counts['stale'])}"
     )
     print("| phase | calls/s | tokens/s | latency p50 (ms) | latency p99 (ms) |")

@@ -47,7 +47,7 @@ def session_reward(messages: list[dict[str, Any]]) -> float | None:
 
 
 def learning_gateway(
-    tiny_qwen3_dir: Path, tokenizer: Any, out: Path, **learn: Any
+    tiny_qwen3_dir: Path, tokenizer: Any, out: Path, max_tokens: int = 12, **learn: Any
 ) -> tuple[Gateway, RewardDesk, Learning]:
     from turnrl.app.engines import hf_engine
     from turnrl.config import HFEngineConfig
@@ -56,7 +56,7 @@ def learning_gateway(
         {
             "model": str(tiny_qwen3_dir),
             "output_dir": str(out),
-            "sampling": {"max_tokens": 12, "temperature": 1.0},
+            "sampling": {"max_tokens": max_tokens, "temperature": 1.0},
             "learn": {"sessions_per_step": 2, "optim": {"lr": 1e-3}, **learn},
         }
     )
@@ -215,6 +215,47 @@ def test_a_step_that_scores_worse_on_held_out_prompts_is_held_back(
     assert {r["session"]: r.get("left_out") for r in learned} == {"a": "held_back", "b": "held_back"}
     for name, value in learning.learner.policy.state_dict().items():
         assert torch.equal(value, served_weights[name]), f"{name}: the learner went on from held-back weights"
+
+
+def test_an_in_flight_swap_serves_new_weights_without_waiting_for_the_calls_under_way(
+    tiny_qwen3_dir: Path, qwen3_tokenizer: Any, tmp_path: Path
+) -> None:
+    """``learn.swap: in_flight``: a step's weights go in while streamed calls generate, without
+    waiting for them; no call is lost, and a reply that spans the swap records its tokens' versions
+    as sampled, the old then the new (never silently one)."""
+    gateway, desk, learning = learning_gateway(
+        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, max_tokens=400, swap="in_flight"
+    )
+    with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
+        started = threading.Barrier(4)
+        texts: dict[int, str] = {}
+
+        def call(k: int) -> None:
+            client = OpenAI(base_url=f"{url}/s/long{k}/v1", api_key="unused", max_retries=0)
+            stream = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"Tell a long story {k}."}], stream=True
+            )
+            parts = []
+            for n, chunk in enumerate(stream):
+                if n == 3:  # a few tokens in
+                    started.wait(60)
+                parts.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+            texts[k] = "".join(parts)
+
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(3)]
+        for thread in threads:
+            thread.start()
+        started.wait(60)  # every call is streaming
+        asyncio.run_coroutine_threadsafe(learning._serve(), loop).result(60)
+        assert gateway._generating == 3  # the swap did not wait for them
+        for thread in threads:
+            thread.join(120)
+    assert sorted(texts) == [0, 1, 2] and gateway.counts["errors"] == 0
+    assert gateway.engine.weight_version == 1
+    for k in range(3):
+        record = gateway.sessions[f"long{k}"].branches[0].episode.record
+        versions = [v for v in record.policy_versions if v >= 0]
+        assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions), f"call {k}"
 
 
 def _gateway_process(config: Path, *flags: str) -> tuple[subprocess.Popen[str], str, list[str]]:

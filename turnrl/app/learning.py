@@ -13,9 +13,10 @@ A step starts once ``learn.sessions_per_step`` rewarded sessions are ready (``Re
    in a worker thread while the gateway goes on serving;
 4. with ``learn.hold_back``, the new weights' held-out reward against the served ones': more than
    ``margin`` worse and they are held back (the policy goes back to the served weights, counted);
-5. the new weights go into the serving engine through ``Gateway.update_weights``: calls generating
-   finish under the old weights, new ones wait, so no reply mixes versions and every token keeps
-   its version;
+5. the new weights go into the serving engine (``learn.swap``): through ``Gateway.update_weights``
+   (calls generating finish under the old weights, new ones wait, so no reply mixes versions), or
+   between two decode steps with the calls under way going on (no pause); every token keeps its
+   version either way;
 6. a checkpoint (policy, optimizer, baselines, the sessions trained on) every ``train.save_every``
    steps; a gateway started again on its folder (``--resume``) serves the checkpoint's weights and
    trains the rewarded sessions the checkpoint had not (none lost, none trained twice).
@@ -266,7 +267,10 @@ class Learning:
         async def load() -> None:
             await self.engine.update_weights(state)
 
-        await self.gateway.update_weights(load)
+        if self.config.learn.swap == "in_flight":
+            await load()  # between two decode steps: the calls under way go on
+        else:
+            await self.gateway.update_weights(load)
         self.counts["served_steps"] += 1
 
     def score(self) -> float:

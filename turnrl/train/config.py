@@ -391,6 +391,13 @@ class LearnConfig(_Strict):
     read (a step starts when rewards are ready)."""
     hold_back: HoldBackConfig | None = None
     """A held-out check that keeps a worse step from being served (None: every step is served)."""
+    swap: Literal["between_calls", "in_flight"] = "between_calls"
+    """How a step's weights reach the serving engine. ``between_calls``: calls generating finish
+    under the old weights while new calls wait, then the weights change (no reply spans two
+    versions; serving pauses for the longest reply under way). ``in_flight``: they change between
+    two decode steps, calls generating go on under the new ones with the KV they have (no pause; a
+    reply may span two versions, each token's version recorded and the importance correction
+    applied, as in overlapped training)."""
     nice: int = Field(19, ge=0, le=19)
     """The learner's threads run at this nice value: 19 takes only the CPU that serving leaves (where
     the learner has cores or a device of its own, it changes nothing); 0: the same as serving."""
