@@ -224,8 +224,8 @@ def test_an_in_flight_swap_serves_new_weights_without_waiting_for_the_calls_unde
     waiting for them; no call is lost, and a reply that spans the swap records its tokens' versions
     as sampled, the old then the new (never silently one)."""
     gateway, desk, learning = learning_gateway(
-        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, max_tokens=400, swap="in_flight"
-    )
+        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, max_tokens=1000, swap="in_flight", nice=0
+    )  # long replies; the learner's thread not starved by them
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
         started = threading.Barrier(4)
         texts: dict[int, str] = {}
@@ -345,7 +345,10 @@ def test_a_killed_learning_gateway_resumes_with_no_rewarded_session_lost(
     assert len(learned.read_text().splitlines()) == 4  # it answered no call: what it set aside is put back
 
 
-@pytest.mark.parametrize("bad", ["{learn: {sessions_per_step: 0}}", "{learn: {}, engine: {kind: vllm}}"])
+@pytest.mark.parametrize(
+    "bad",
+    ["{learn: {sessions_per_step: 0}}", "{learn: {}, engine: {kind: openai, urls: ['http://127.0.0.1:9']}}"],
+)
 def test_a_bad_learn_section_is_one_line(bad: str, tmp_path: Path) -> None:
     config = tmp_path / "gateway.yaml"
     config.write_text(yaml.safe_dump({"model": "tiny-qwen3", **yaml.safe_load(bad)}))
@@ -356,4 +359,4 @@ def test_a_bad_learn_section_is_one_line(bad: str, tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode != 0
-    assert ("sessions_per_step" in done.stderr) or ("not hf" in done.stderr), done.stderr
+    assert ("sessions_per_step" in done.stderr) or ("'openai' cannot take them" in done.stderr), done.stderr

@@ -22,12 +22,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import yaml
 from reference import chat_prompt as chat
 from reference import max_diff, sequence_gap
 from reference import reference_logprobs as reference
+from rich.console import Console
 from vllm_helpers import TOLERANCE, need_vllm, running
 
 from turnrl.config import RunConfig, VLLMEngineConfig, load_config
@@ -552,6 +554,80 @@ async def test_pause_aborts_keeps_tokens_and_resumes_on_new_weights(
     assert all(t.stop_reason != StopReason.ENGINE_ERROR for t in trajs)
 
 
+async def base_weights(url: str, smollm2: Any) -> None:
+    """Put the base model's weights back into the server at ``url``."""
+    reset = VLLMServerEngine(url, refresh_tied_weights=True)
+    await reset.update_weights(smollm2.state_dict())
+    await reset.close()
+
+
+def test_a_learning_gateway_on_vllm_serves_the_weights_it_learned(
+    servers: Any, smollm2: Any, smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    """``turnrl gateway`` with ``learn`` and ``engine.kind: vllm``: openai-SDK users' sessions are
+    served by a real vLLM server, two rewards start a step, the learner (on CPU) writes its new
+    weights where the server reads them, and the next reply is sampled by them: its logprobs are the
+    trained policy's, not the base model's, and its tokens carry the new version."""
+    from gateway_fixtures import served
+    from openai import OpenAI
+    from vllm_helpers import MODEL
+
+    from turnrl.app.learning import Learning, LearningGatewayConfig
+    from turnrl.chat.encoder import ChatEncoder
+    from turnrl.gateway.rewards import RewardDesk
+    from turnrl.gateway.routes import make_app
+    from turnrl.gateway.server import Gateway
+    from turnrl.gateway.store import CallLog
+
+    url = servers.servers[0].url
+    config = LearningGatewayConfig.model_validate(
+        {
+            "model": MODEL,
+            "engine": {"kind": "vllm", "urls": [url], "refresh_tied_weights": True},
+            "output_dir": str(tmp_path),
+            "sampling": {"max_tokens": 8, "temperature": 1.0},
+            "learn": {"sessions_per_step": 2, "optim": {"lr": 1e-3}},
+        }
+    )
+    engine = VLLMServerEngine(url, eos_token_ids=[smollm2_tokenizer.eos_token_id], refresh_tied_weights=True)
+    gateway = Gateway(engine, ChatEncoder(smollm2_tokenizer), None, config, CallLog(tmp_path))
+    desk = RewardDesk(gateway, tmp_path / "learn", config.learn.expire_s)
+    learning = Learning(config, gateway, desk, Console(stderr=True, quiet=True))
+
+    def chat_as(gateway_url: str, session: str, text: str) -> None:
+        client = OpenAI(base_url=f"{gateway_url}/s/{session}/v1", api_key="unused", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}])
+        client.close()
+
+    try:
+        with served(gateway, make_app(gateway, desk, [learning.metrics])) as (gateway_url, loop):
+            task = asyncio.run_coroutine_threadsafe(learning.run(), loop)
+            chat_as(gateway_url, "liked", "Name a colour.")
+            chat_as(gateway_url, "disliked", "Name a colour.")
+            for session, value in (("liked", 1.0), ("disliked", 0.0)):
+                posted = httpx.post(
+                    f"{gateway_url}/v1/rewards", json={"session": session, "reward": value}, timeout=30
+                )
+                assert posted.status_code == 200, posted.text
+            deadline = time.monotonic() + 300
+            while not (learning.step == 1 and engine.weight_version == 1):
+                assert time.monotonic() < deadline, "no step served within 300 s"
+                time.sleep(0.05)
+            chat_as(gateway_url, "after", "Name a colour.")
+            task.cancel()
+            asyncio.run_coroutine_threadsafe(engine.close(), loop).result(30)
+        record = gateway.sessions["after"].branches[0].episode.record
+        tokens, served_lps = record.response_ids, record.rollout_logprobs  # one call: every token sampled
+        prompt = record.sequence[: len(record.sequence) - len(tokens)]
+        assert tokens and all(record.loss_mask) and set(record.policy_versions) == {1}
+        learned = reference(learning.learner.policy, prompt, tokens)
+        assert max_diff(served_lps, learned) < TOLERANCE  # the server serves what the learner holds
+        assert max_diff(served_lps, reference(smollm2, prompt, tokens)) > 100 * TOLERANCE
+        assert (tmp_path / "learn" / "weights" / "model.safetensors").is_file()
+    finally:
+        asyncio.run(base_weights(url, smollm2))  # for the tests after this one
+
+
 async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_sync(
     servers: Any, smollm2: Any, tmp_path: Path
 ) -> None:
@@ -586,9 +662,7 @@ async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_
     for record in steps:  # vLLM sampled with exactly the weights the trainer holds (warm start, steps)
         assert 0.999 < record["is/ratio_min"] <= record["is/ratio_max"] < 1.001, record  # measured: 4e-5
     assert metrics["train/refused_versions"] == 0
-    reset = VLLMServerEngine(url, refresh_tied_weights=True)  # base weights for the tests after this one
-    await reset.update_weights(smollm2.state_dict())
-    await reset.close()
+    await base_weights(url, smollm2)  # for the tests after this one
 
 
 async def test_an_unchanged_agent_trains_through_the_gateway_on_vllm_with_exact_tokens(
@@ -631,9 +705,7 @@ async def test_an_unchanged_agent_trains_through_the_gateway_on_vllm_with_exact_
     trajs = [yaml.safe_load(line) for line in rollouts]
     assert len({(t["group_id"], t["sample_index"]) for t in trajs}) == 2 * 4
     assert all(t["stop_reason"] == "agent_done" and t["branch"]["session"] for t in trajs)
-    reset = VLLMServerEngine(url, refresh_tied_weights=True)  # base weights for the tests after this one
-    await reset.update_weights(smollm2.state_dict())
-    await reset.close()
+    await base_weights(url, smollm2)  # for the tests after this one
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["abort", "keep"])
@@ -697,9 +769,7 @@ async def test_overlapped_training_on_vllm_pauses_turns_for_each_update_within_t
             split += sum(len(set(traj.policy_versions[t.start : t.end])) > 1 for t in turns)
     assert gate.released > 0  # groups were waiting for a push, so it met their first turns in flight
     assert split > 0  # a push met turns in flight: they went on from their tokens under new weights
-    reset = VLLMServerEngine(url, refresh_tied_weights=True)  # base weights for the tests after this one
-    await reset.update_weights(smollm2.state_dict())
-    await reset.close()
+    await base_weights(url, smollm2)  # for the tests after this one
 
 
 @pytest.fixture(scope="module")

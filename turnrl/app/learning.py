@@ -42,8 +42,9 @@ from rich.console import Console
 from transformers.utils import logging as hf_logging
 
 from turnrl.app.parts import load_samples
-from turnrl.config import HFEngineConfig
+from turnrl.config import HFEngineConfig, VLLMEngineConfig
 from turnrl.engines.hf import HFEngine
+from turnrl.engines.vllm import save_weights
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.rewards import RewardDesk
 from turnrl.gateway.server import Gateway
@@ -56,7 +57,7 @@ from turnrl.train.batch import batches_of, build_samples, packs
 from turnrl.train.config import AlgorithmConfig, LearnConfig, OptimConfig, TrainLoopConfig
 from turnrl.train.logprobs import shares_prefixes
 from turnrl.train.update import Learner, make_optimizer, trainable_parameters, update
-from turnrl.types import SamplingParams, Trajectory
+from turnrl.types import SamplingParams, Trajectory, Weights, as_updatable, weight_version
 
 
 class LearningGatewayConfig(GatewayConfig):
@@ -67,11 +68,11 @@ class LearningGatewayConfig(GatewayConfig):
     """How it learns from the rewards."""
 
     @model_validator(mode="after")
-    def _embedded_engine(self) -> LearningGatewayConfig:
-        if not isinstance(self.engine, HFEngineConfig):
+    def _engine_it_can_update(self) -> LearningGatewayConfig:
+        if not isinstance(self.engine, HFEngineConfig | VLLMEngineConfig):
             raise ValueError(
-                f"a learning gateway trains the embedded engine's model: engine.kind {self.engine.kind!r} "
-                "is not hf (vLLM servers: not yet)"
+                f"a learning gateway serves its new weights from the embedded engine (hf) or vLLM servers "
+                f"(vllm): engine.kind {self.engine.kind!r} cannot take them"
             )
         if self.sampling.seed is not None:
             raise ValueError("set the gateway's top-level seed instead of sampling.seed")
@@ -82,6 +83,7 @@ T = TypeVar("T")
 LEARN_DIR = "learn"
 STOP_WAIT_S = 120.0  # at most this long for an update under way when the gateway stops
 CHECKPOINT = "checkpoint"
+WEIGHTS_DIR = "weights"  # what vLLM servers load a step's weights from
 
 
 @dataclass(frozen=True)
@@ -120,16 +122,18 @@ class Learning:
         console: Console,
         resume: bool = False,
     ) -> None:
-        if not isinstance(gateway.engine, HFEngine):
-            raise TypeError("a learning gateway serves with the embedded engine")
         self.config, self.gateway, self.desk, self.console = config, gateway, desk, console
         self.resume = resume
-        self.engine: HFEngine = gateway.engine
+        self.engine = as_updatable(gateway.engine)  # the embedded engine, or vLLM servers
         learn = config.learn
         self.folder = Path(config.output_dir) / LEARN_DIR
         saved = self.folder / CHECKPOINT
         resumed = resume and (saved / "state.pt").is_file()
-        device = config.engine.device if isinstance(config.engine, HFEngineConfig) else "cpu"
+        device = learn.train.device or (  # else the embedded engine's, else a GPU torch sees
+            config.engine.device
+            if isinstance(config.engine, HFEngineConfig)
+            else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         hf_logging.disable_progress_bar()  # checkpoints are saved while serving: no bars in its log
         policy = load_model(str(saved / "model") if resumed else config.model, device=device)
         trainable_parameters(policy, learn.optim.trainable)
@@ -156,7 +160,7 @@ class Learning:
         """Before serving: a resumed learner's weights into the engine, the rewarded sessions it had
         not trained on back in the queue, and the served weights' held-out score."""
         if self.version:  # the checkpoint's weights, under the version they were served as
-            await self.engine.update_weights(self._snapshot(), version=self.version)
+            await self.engine.update_weights(await self._in_learner(self._weights), version=self.version)
         if self.resume:  # the rewards of an earlier life of this folder, not trained on yet
             self.desk.restore()
             self.desk.ready = [s for s in self.desk.ready if _name(s) not in self.trained]
@@ -190,7 +194,7 @@ class Learning:
         t0 = time.perf_counter()
         learn = self.config.learn
         sessions = self.desk.take(learn.sessions_per_step)
-        version = int(self.engine.weight_version)
+        version = weight_version(self.engine)
         fresh = [s for s in sessions if _oldest(s) >= version - learn.algorithm.max_staleness]
         self.counts["stale"] += len(sessions) - len(fresh)
         left_out = {_name(s): "stale" for s in sessions if s not in fresh}
@@ -234,7 +238,7 @@ class Learning:
             "reward_mean": statistics.fmean(rewards),
             "tokens": tokens,
             "staleness_max": max((version - _oldest(s) for s in fresh), default=0),
-            "weight_version": int(self.engine.weight_version),
+            "weight_version": weight_version(self.engine),
             "seconds": time.perf_counter() - t0,
         }
         self._metrics.write_record(self.last | {"time": time.time()})
@@ -262,10 +266,10 @@ class Learning:
 
     async def _serve(self) -> None:
         """The policy's weights into the serving engine, between calls."""
-        state = await self._in_learner(self._snapshot)  # the copy too: not on the serving loop
+        weights = await self._in_learner(self._weights)  # the copy too: not on the serving loop
 
         async def load() -> None:
-            await self.engine.update_weights(state)
+            await self.engine.update_weights(weights)
 
         if self.config.learn.swap == "in_flight":
             await load()  # between two decode steps: the calls under way go on
@@ -301,7 +305,7 @@ class Learning:
             f"turnrl_learn_held_back_total {int(self.counts['held_back'])}",
             f"turnrl_learn_sessions_stale_total {int(self.counts['stale'])}",
             f"turnrl_learn_failed_steps_total {int(self.counts['failed_steps'])}",
-            f"turnrl_learn_weight_version {int(self.engine.weight_version)}",
+            f"turnrl_learn_weight_version {weight_version(self.engine)}",
             f"turnrl_learn_reward_mean {self.last.get('reward_mean', 0.0)}",
             f"turnrl_learn_staleness_max {self.last.get('staleness_max', 0)}",
         ]
@@ -313,7 +317,7 @@ class Learning:
         self.learner.policy.save_pretrained(tmp / "model")
         state = {
             "step": self.step,
-            "version": int(self.engine.weight_version),
+            "version": weight_version(self.engine),
             "optimizer": self.learner.optimizer.state_dict(),
             "scheduler": self.learner.scheduler.state_dict(),
             "baselines": self.baselines.values,
@@ -342,6 +346,13 @@ class Learning:
     def _snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the policy's weights."""
         return {k: v.detach().clone() for k, v in self.learner.policy.state_dict().items()}
+
+    def _weights(self) -> Weights:
+        """The policy's weights as the serving engine takes them: a copy for the embedded engine, a
+        checkpoint folder (``learn/weights``, rewritten each time) that vLLM servers read."""
+        if isinstance(self.gateway.engine, HFEngine):
+            return self._snapshot()
+        return save_weights(self.learner.policy.state_dict(), self.folder / WEIGHTS_DIR)
 
     async def _in_learner(self, work: Callable[..., T], *args: Any) -> T:
         """``work(*args)`` on the learner's own thread, at ``learn.nice`` (its OpenMP workers, made by

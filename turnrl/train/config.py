@@ -387,8 +387,9 @@ class LearnConfig(_Strict):
     """The optimizer."""
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
     """The update's sizes and precision (``micro_batch_tokens``, ``ppo_epochs``, ``mini_batches``,
-    ``precision``, ``save_every``, ``keep_checkpoints``); ``steps`` and ``prompts_per_step`` are not
-    read (a step starts when rewards are ready)."""
+    ``precision``, ``save_every``, ``keep_checkpoints``), ``device`` (where the learner trains; None:
+    the embedded engine's device, or with vLLM servers cuda when torch sees a GPU, else cpu);
+    ``steps`` and ``prompts_per_step`` are not read (a step starts when rewards are ready)."""
     hold_back: HoldBackConfig | None = None
     """A held-out check that keeps a worse step from being served (None: every step is served)."""
     swap: Literal["between_calls", "in_flight"] = "between_calls"
