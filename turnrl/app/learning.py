@@ -54,7 +54,7 @@ from turnrl.support.errors import describe
 from turnrl.support.heap import learner_thread
 from turnrl.support.imports import import_object
 from turnrl.train.batch import batches_of, build_samples, packs
-from turnrl.train.config import AlgorithmConfig, LearnConfig, OptimConfig, TrainLoopConfig
+from turnrl.train.config import AlgorithmConfig, LearnConfig, OptimConfig, TrainLoopConfig, learner_device
 from turnrl.train.logprobs import shares_prefixes
 from turnrl.train.update import Learner, make_optimizer, trainable_parameters, update
 from turnrl.types import SamplingParams, Trajectory, Weights, as_updatable, weight_version
@@ -129,11 +129,7 @@ class Learning:
         self.folder = Path(config.output_dir) / LEARN_DIR
         saved = self.folder / CHECKPOINT
         resumed = resume and (saved / "state.pt").is_file()
-        device = learn.train.device or (  # else the embedded engine's, else a GPU torch sees
-            config.engine.device
-            if isinstance(config.engine, HFEngineConfig)
-            else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        device = learner_device(learn.train.device, config.engine)
         hf_logging.disable_progress_bar()  # checkpoints are saved while serving: no bars in its log
         policy = load_model(str(saved / "model") if resumed else config.model, device=device)
         trainable_parameters(policy, learn.optim.trainable)

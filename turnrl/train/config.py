@@ -331,10 +331,16 @@ class TrainConfig(RunSections):
 def policy_device(config: TrainConfig) -> str:
     """Where the policy trains: ``train.device``, else the embedded engine's device, else (vLLM
     servers) cuda when torch sees a GPU, else cpu."""
-    if config.train.device:
-        return config.train.device
-    if isinstance(config.engine, HFEngineConfig):
-        return config.engine.device
+    return learner_device(config.train.device, config.engine)
+
+
+def learner_device(device: str | None, engine: object) -> str:
+    """``device`` when set, else the embedded engine's (``engine``: an engine config), else cuda
+    when torch sees a GPU, else cpu (a learning gateway's learner, as ``policy_device``)."""
+    if device:
+        return device
+    if isinstance(engine, HFEngineConfig):
+        return engine.device
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
