@@ -4,14 +4,15 @@ from a reward to weights that learned from it.
 One process: the gateway (``--model``, default SmolLM2-135M-Instruct, on the embedded engine) with
 its learner, and ``--sessions`` concurrent users on ``httpx`` that each send single-call sessions
 back to back (not streamed, ``--max-tokens`` each). Two phases of ``--seconds`` each, alternating
-``--repeats`` times: *serving only* (no reward posted: the learner idles) and *learning* (every
-session rewarded right after its reply by the demo's liking for short answers, so a step starts
-every ``sessions_per_step`` sessions). Per phase: calls per second, sampled tokens per second, and
+``--repeats`` times: *serving only* and *learning*. In both, every session is rewarded right after its
+reply by the demo's liking for short answers (which ends the session, as a user's reward does);
+in *learning* a step starts every ``sessions_per_step`` sessions, in *serving only* the learner
+drops them untrained and idles. Per phase: calls per second, sampled tokens per second, and
 the latency of a call (p50, p99). Reward to weights: per step, from the post of the reward that
 completed its batch to the moment the step's weights are served.
 
     .venv/bin/python bench/learning.py [--sessions 8] [--seconds 60] [--repeats 2] [--nice 19] [--lr 1e-9]
-        [--swap between_calls|in_flight]
+        [--swap between_calls|in_flight] [--learner process|thread]
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def liking(answer: str, limit: int = 12) -> float:
 async def users(
     url: str, sessions: int, seconds: float, learn: bool, posted: dict[str, float]
 ) -> dict[str, Any]:
-    """``sessions`` users for ``seconds``: their calls' latencies and tokens."""
+    """``sessions`` users for ``seconds``: their calls' latencies and tokens (``learn``: the phase,
+    in the sessions' names)."""
     latencies: list[float] = []
     tokens = [0]
     until = time.monotonic() + seconds
@@ -63,12 +65,11 @@ async def users(
             answer = (await http.post(f"{url}/s/{name}/v1/chat/completions", json=body)).json()
             latencies.append(time.perf_counter() - t0)
             tokens[0] += answer["usage"]["completion_tokens"]
-            if learn:
-                reward = liking(answer["choices"][0]["message"]["content"] or "")
-                posted[name] = time.monotonic()
-                (
-                    await http.post(f"{url}/v1/rewards", json={"session": name, "reward": reward})
-                ).raise_for_status()
+            # both phases: a session ends with its reward (serving only: the learner drops it)
+            reward = liking(answer["choices"][0]["message"]["content"] or "")
+            posted[name] = time.monotonic()
+            rewarded = await http.post(f"{url}/v1/rewards", json={"session": name, "reward": reward})
+            rewarded.raise_for_status()
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=sessions * 2)) as http:
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-9, help=f"the learner's rate: {same}")
     parser.add_argument("--nice", type=int, default=19, help="learn.nice")
     parser.add_argument("--swap", choices=["between_calls", "in_flight"], default="between_calls")
+    parser.add_argument("--learner", choices=["process", "thread"], default="process", help="learn.learner")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     config = LearningGatewayConfig.model_validate(
@@ -108,6 +110,7 @@ def main() -> None:
                 "train": {"save_every": 0},
                 "nice": args.nice,
                 "swap": args.swap,
+                "learner": args.learner,
             },
         }
     )
@@ -124,7 +127,13 @@ def main() -> None:
     served_at: list[tuple[float, list[str]]] = []  # when each step's weights were served, its sessions
     learn_step = learning.learn_step
 
+    training = [False]  # serving only: the rewarded sessions are dropped, the learner idles
+
     async def timed_step() -> dict[str, float]:
+        if not training[0]:
+            desk.take(len(desk.ready))
+            return {}
+        learning._ready()  # the stale ones out first, as the step does
         names = [s[0].branch.session for s in desk.ready[: config.learn.sessions_per_step] if s[0].branch]
         version = int(gateway.engine.weight_version)  # type: ignore[attr-defined]
         out = await learn_step()
@@ -149,18 +158,22 @@ def main() -> None:
     asyncio.run(users(url, args.sessions, 10, False, posted))  # warm-up
     for _ in range(args.repeats):
         for phase in rows:
+            training[0] = phase == "learning"
             rows[phase].append(
                 asyncio.run(users(url, args.sessions, args.seconds, phase == "learning", posted))
             )
             print(f"{phase}: {rows[phase][-1]}", file=sys.stderr)
             while len(desk.ready) >= config.learn.sessions_per_step:  # the learner's queue, drained
                 time.sleep(0.5)
+            while learning._updating is not None and not learning._updating.done():  # its last update
+                time.sleep(0.5)
     server.should_exit = True
     thread.join(30)
     counts = learning.counts
     print(
         f"model {args.model}, {args.sessions} concurrent sessions, max_tokens {args.max_tokens}, "
-        f"{args.repeats} x {args.seconds:.0f} s per phase, lr {args.lr}, nice {args.nice}, swap {args.swap}; "
+        f"{args.repeats} x {args.seconds:.0f} s per phase, lr {args.lr}, nice {args.nice}, swap {args.swap}, "
+        f"learner {args.learner}; "
         f"steps {learning.step}, served {int(counts['served_steps'])}, stale sessions {int(counts['stale'])}"
     )
     print("| phase | calls/s | tokens/s | latency p50 (ms) | latency p99 (ms) |")

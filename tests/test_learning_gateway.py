@@ -24,6 +24,7 @@ from gateway_fixtures import served
 from openai import OpenAI
 from rich.console import Console
 
+from turnrl.app.learner import ProcessLearner
 from turnrl.app.learning import Baselines, Learning, LearningGatewayConfig
 from turnrl.chat.encoder import ChatEncoder
 from turnrl.gateway.rewards import LEARNED, REWARDED, RewardDesk
@@ -86,6 +87,19 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"no {name} in /metrics")
 
 
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid``."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
 def until(check: Any, timeout_s: float = 120, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -108,7 +122,7 @@ def test_rewards_train_the_served_model_and_stale_sessions_are_left_out(
     gateway, desk, learning = learning_gateway(
         tiny_qwen3_dir, qwen3_tokenizer, tmp_path, algorithm={"max_staleness": 0}
     )
-    before = {k: v.clone() for k, v in learning.learner.policy.state_dict().items()}
+    before = learning.learner.call("state_dict")
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
         task = asyncio.run_coroutine_threadsafe(learning.run(), loop)
         for k in range(4):  # four sessions sampled under version 0
@@ -121,31 +135,43 @@ def test_rewards_train_the_served_model_and_stale_sessions_are_left_out(
         # the other two were sampled by version 0: one version too old for max_staleness 0
         reward(url, session="user2", reward=1.0, task="q")
         reward(url, session="user3", reward=0.0, task="q")
-        until(lambda: learning.step == 2, what="the second step")
-        assert learning.counts["stale"] == 2 and gateway.engine.weight_version == 1  # nothing trained
+        until(lambda: learning.counts["stale"] == 2, what="the two left out")
+        time.sleep(0.5)
+        assert learning.step == 1 and gateway.engine.weight_version == 1  # no step: nothing fresh
         chat(url, "later", "Another question?")  # a call after the swap: sampled by version 1
         versions = {v for v in gateway.sessions["later"].branches[0].episode.record.policy_versions if v >= 0}
         assert versions == {1}
         assert metric(url, "turnrl_learn_sessions_learned_total") == 4
         assert metric(url, "turnrl_learn_sessions_stale_total") == 2
+        # the learner is a process of its own (learn.learner), at nice 19: it only takes the CPU
+        # that serving leaves (learn.nice)
+        assert isinstance(learning.learner, ProcessLearner) and learning.learner.call("niceness") == 19
+        assert learning.learner.pid != os.getpid() and learning.learner.pid in _children(os.getpid())
+        changed = [k for k, v in learning.learner.call("state_dict").items() if not torch.equal(v, before[k])]
+        assert changed  # the policy learned from the rewarded sessions
+        # a learner killed (for memory, say) fails its steps, counted; the gateway goes on serving
+        os.kill(learning.learner.pid, signal.SIGKILL)
+        for k in (4, 5):
+            chat(url, f"user{k}", f"Question {k}?")
+            reward(url, session=f"user{k}", reward=float(k % 2), task="q")
+        until(lambda: learning.counts["failed_steps"] == 1, what="the step without a learner, failed")
+        assert metric(url, "turnrl_learn_failed_steps_total") == 1 and learning.step == 1
+        assert chat(url, "after", "Still there?") is not None and gateway.engine.weight_version == 1
         task.cancel()
-        niceness = asyncio.run_coroutine_threadsafe(
-            learning._in_learner(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), loop
-        ).result(30)
-        assert niceness == 19  # the learner's thread only takes the CPU serving leaves (learn.nice)
-    changed = [k for k, v in learning.learner.policy.state_dict().items() if not torch.equal(v, before[k])]
-    assert changed  # the policy learned from the rewarded sessions
+    learning.learner.close()
     learned = [json.loads(line) for line in (tmp_path / "learn" / LEARNED).read_text().splitlines()]
-    assert sorted(r["session"] for r in learned) == ["user0", "user1", "user2", "user3"]
-    assert {r["session"]: r.get("left_out") for r in learned} == {
-        "user0": None, "user1": None, "user2": "stale", "user3": "stale"
+    assert {r["session"]: (r["step"], r.get("left_out")) for r in learned} == {
+        "user0": (1, None), "user1": (1, None), "user2": (1, "stale"), "user3": (1, "stale"),
+        "user4": (2, "failed"), "user5": (2, "failed"),
     }  # fmt: skip
 
 
 def test_bad_rewards_are_refused_counted_and_never_trained(
     tiny_qwen3_dir: Path, qwen3_tokenizer: Any, tmp_path: Path
 ) -> None:
-    gateway, desk, learning = learning_gateway(tiny_qwen3_dir, qwen3_tokenizer, tmp_path, expire_s=0.5)
+    gateway, desk, learning = learning_gateway(
+        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, expire_s=0.5, learner="thread"
+    )
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, _):
         chat(url, "kept", "Hello?")
         chat(url, "forgotten", "Hello?")
@@ -177,7 +203,7 @@ def test_a_reward_function_scores_finished_sessions(
 ) -> None:
     gateway, desk, learning = learning_gateway(
         tiny_qwen3_dir, qwen3_tokenizer, tmp_path, reward=f"{__name__}:session_reward", finished_s=0.4,
-        sessions_per_step=4,
+        sessions_per_step=4, learner="thread",
     )  # fmt: skip
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
         task = asyncio.run_coroutine_threadsafe(learning.run(), loop)
@@ -199,8 +225,10 @@ def test_a_step_that_scores_worse_on_held_out_prompts_is_held_back(
     rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "Say hi."}]}) + "\n")
     HELD_OUT_SCORES[:] = [1.0, 0.2]  # served: 1.0; the new weights: 0.2, past the margin of 0.1
     hold = {"data": {"path": str(rows)}, "reward": f"{__name__}:held_out_reward", "max_tokens": 4}
-    gateway, desk, learning = learning_gateway(tiny_qwen3_dir, qwen3_tokenizer, tmp_path, hold_back=hold)
-    served_weights = {k: v.clone() for k, v in learning.learner.policy.state_dict().items()}
+    gateway, desk, learning = learning_gateway(
+        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, hold_back=hold, learner="thread"
+    )  # a thread: the held-out reward's scores are this module's
+    served_weights = learning.learner.call("state_dict")
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
         asyncio.run_coroutine_threadsafe(learning.start(), loop).result(60)
         assert learning.served_score == 1.0
@@ -213,7 +241,7 @@ def test_a_step_that_scores_worse_on_held_out_prompts_is_held_back(
     assert gateway.engine.weight_version == 0  # users keep the served weights
     learned = [json.loads(line) for line in (tmp_path / "learn" / LEARNED).read_text().splitlines()]
     assert {r["session"]: r.get("left_out") for r in learned} == {"a": "held_back", "b": "held_back"}
-    for name, value in learning.learner.policy.state_dict().items():
+    for name, value in learning.learner.call("state_dict").items():
         assert torch.equal(value, served_weights[name]), f"{name}: the learner went on from held-back weights"
 
 
@@ -224,7 +252,7 @@ def test_an_in_flight_swap_serves_new_weights_without_waiting_for_the_calls_unde
     waiting for them; no call is lost, and a reply that spans the swap records its tokens' versions
     as sampled, the old then the new (never silently one)."""
     gateway, desk, learning = learning_gateway(
-        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, max_tokens=1000, swap="in_flight", nice=0
+        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, max_tokens=1000, swap="in_flight", nice=0, learner="thread"
     )  # long replies; the learner's thread not starved by them
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
         started = threading.Barrier(4)
@@ -262,9 +290,10 @@ def _gateway_process(config: Path, *flags: str) -> tuple[subprocess.Popen[str], 
     """``turnrl gateway CONFIG`` as a user starts it: the process, its URL, its stderr lines so far
     (read on, so that the pipe never fills)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TERM="dumb", HF_HUB_OFFLINE="1")
+    # a process group of its own, as a terminal gives it
     process = subprocess.Popen(
         [sys.executable, "-m", "turnrl.cli", "gateway", str(config), *flags],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, start_new_session=True,
     )  # fmt: skip
     lines: list[str] = []
     found = threading.Event()
@@ -314,9 +343,12 @@ def test_a_killed_learning_gateway_resumes_with_no_rewarded_session_lost(
             assert reward(url, session=f"s{k}", reward=float(k % 2)).status_code == 200
         learned = out / "learn" / LEARNED  # written once the step's checkpoint is
         until(lambda: learned.is_file() and len(learned.read_text().splitlines()) == 2, what="step 1 saved")
+        children = _children(process.pid)  # the learner's process among them
     finally:
         process.send_signal(signal.SIGKILL)  # s2 is rewarded, not trained on
         _ended(process)
+    assert children  # the learner, and multiprocessing's resource tracker
+    until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 30, "no process left behind")
     process, url, said = _gateway_process(config, "--resume")
     try:
         assert any("resumed at step 1" in line for line in said), "".join(said)
@@ -340,8 +372,9 @@ def test_a_killed_learning_gateway_resumes_with_no_rewarded_session_lost(
         assert metric(url, "turnrl_learn_weight_version") == 0
         assert reward(url, session="s0", reward=1.0).status_code == 404
     finally:
-        process.send_signal(signal.SIGTERM)
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in its terminal: the learner's process gets it too
         _ended(process)
+    assert process.returncode == 0 and not any("Traceback" in line for line in said), "".join(said)
     assert len(learned.read_text().splitlines()) == 4  # it answered no call: what it set aside is put back
 
 

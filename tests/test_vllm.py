@@ -11,6 +11,7 @@ vLLM environment these tests skip locally and fail in CI.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import re
@@ -620,11 +621,14 @@ def test_a_learning_gateway_on_vllm_serves_the_weights_it_learned(
         tokens, served_lps = record.response_ids, record.rollout_logprobs  # one call: every token sampled
         prompt = record.sequence[: len(record.sequence) - len(tokens)]
         assert tokens and all(record.loss_mask) and set(record.policy_versions) == {1}
-        learned = reference(learning.learner.policy, prompt, tokens)
+        policy = copy.deepcopy(smollm2)  # the learner's weights, from its process
+        policy.load_state_dict(learning.learner.call("state_dict"))
+        learned = reference(policy, prompt, tokens)
         assert max_diff(served_lps, learned) < TOLERANCE  # the server serves what the learner holds
         assert max_diff(served_lps, reference(smollm2, prompt, tokens)) > 100 * TOLERANCE
         assert (tmp_path / "learn" / "weights" / "model.safetensors").is_file()
     finally:
+        learning.learner.close()
         asyncio.run(base_weights(url, smollm2))  # for the tests after this one
 
 

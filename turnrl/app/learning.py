@@ -10,7 +10,8 @@ A step starts once ``learn.sessions_per_step`` rewarded sessions are ready (``Re
    subtract; every model turn of the session's branches gets it;
 3. the update (``turnrl.train.update``: recomputed old logprobs, the importance correction against
    the logprobs the tokens were sampled with, ``ppo_epochs`` x ``mini_batches`` optimizer steps),
-   in a worker thread while the gateway goes on serving;
+   in the learner (a process of its own, or a thread: ``learn.learner``) while the gateway goes on
+   serving;
 4. with ``learn.hold_back``, the new weights' held-out reward against the served ones': more than
    ``margin`` worse and they are held back (the policy goes back to the served weights, counted);
 5. the new weights go into the serving engine (``learn.swap``): through ``Gateway.update_weights``
@@ -26,38 +27,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import statistics
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 from pydantic import model_validator
 from rich.console import Console
-from transformers.utils import logging as hf_logging
 
-from turnrl.app.parts import load_samples
+from turnrl.app.learner import CHECKPOINT, LearnerSpec, start_learner
 from turnrl.config import HFEngineConfig, VLLMEngineConfig
 from turnrl.engines.hf import HFEngine
-from turnrl.engines.vllm import save_weights
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.rewards import RewardDesk
 from turnrl.gateway.server import Gateway
-from turnrl.models.loading import load_model
 from turnrl.record.writer import JsonlWriter
 from turnrl.support.errors import describe
-from turnrl.support.heap import learner_thread
 from turnrl.support.imports import import_object
-from turnrl.train.batch import batches_of, build_samples, packs
-from turnrl.train.config import AlgorithmConfig, LearnConfig, OptimConfig, TrainLoopConfig, learner_device
-from turnrl.train.logprobs import shares_prefixes
-from turnrl.train.update import Learner, make_optimizer, trainable_parameters, update
-from turnrl.types import SamplingParams, Trajectory, Weights, as_updatable, weight_version
+from turnrl.train.batch import TrainSample, build_samples
+from turnrl.train.config import LearnConfig, learner_device
+from turnrl.types import Trajectory, Weights, as_updatable, weight_version
 
 
 class LearningGatewayConfig(GatewayConfig):
@@ -79,21 +68,9 @@ class LearningGatewayConfig(GatewayConfig):
         return self
 
 
-T = TypeVar("T")
 LEARN_DIR = "learn"
 STOP_WAIT_S = 120.0  # at most this long for an update under way when the gateway stops
-CHECKPOINT = "checkpoint"
 WEIGHTS_DIR = "weights"  # what vLLM servers load a step's weights from
-
-
-@dataclass(frozen=True)
-class UpdatePlan:
-    """The sections the update reads (``turnrl.train.update.UpdateSections``)."""
-
-    algorithm: AlgorithmConfig
-    optim: OptimConfig
-    train: TrainLoopConfig
-    sampling: SamplingParams
 
 
 class Baselines:
@@ -112,7 +89,8 @@ class Baselines:
 
 
 class Learning:
-    """The learner beside a gateway: its policy and optimizer, the rewards desk it trains from."""
+    """The learning beside a gateway: the rewards desk it trains from, the baselines, the steps; the
+    policy and its optimizer live in the learner (``turnrl.app.learner``, ``learn.learner``)."""
 
     def __init__(
         self,
@@ -129,39 +107,38 @@ class Learning:
         self.folder = Path(config.output_dir) / LEARN_DIR
         saved = self.folder / CHECKPOINT
         resumed = resume and (saved / "state.pt").is_file()
-        device = learner_device(learn.train.device, config.engine)
-        hf_logging.disable_progress_bar()  # checkpoints are saved while serving: no bars in its log
-        policy = load_model(str(saved / "model") if resumed else config.model, device=device)
-        trainable_parameters(policy, learn.optim.trainable)
-        optimizer, scheduler = make_optimizer(
-            [p for p in policy.parameters() if p.requires_grad], learn.optim
+        spec = LearnerSpec(
+            str(saved / "model") if resumed else config.model,
+            learner_device(learn.train.device, config.engine),
+            learn,
+            config.sampling,
+            gateway.encoder,
+            str(saved) if resumed else None,
         )
-        plan = UpdatePlan(learn.algorithm, learn.optim, learn.train, config.sampling)
-        self.learner = Learner(plan, policy, None, gateway.encoder.template.tokenizer, optimizer, scheduler)
+        self.learner = start_learner(spec)
         self.baselines = Baselines(learn.baseline_decay)
         self.step = 0
         self.version = 0  # the served weights' version a resume goes on from
         self.trained: set[str] = set()  # sessions the policy has learned from (in its checkpoint)
         self.counts: dict[str, float] = {"stale": 0, "held_back": 0, "served_steps": 0, "failed_steps": 0}
         self.last: dict[str, float] = {}
-        self.held_out = load_samples(learn.hold_back.data, None) if learn.hold_back else []
+        self.holds_back = learn.hold_back is not None
         self.served_score: float | None = None
         self._metrics = JsonlWriter(self.folder / "metrics.jsonl")
-        self._updating: asyncio.Future[dict[str, float]] | None = None  # the update thread of a step
-        self._executor = learner_thread("turnrl-learner", _lower_priority, (learn.nice,))
+        self._updating: asyncio.Future[dict[str, float]] | None = None  # the update of a step
         if resumed:
-            self._restore(saved)
+            self._restore(self.learner.call("restored"))
 
     async def start(self) -> None:
         """Before serving: a resumed learner's weights into the engine, the rewarded sessions it had
         not trained on back in the queue, and the served weights' held-out score."""
         if self.version:  # the checkpoint's weights, under the version they were served as
-            await self.engine.update_weights(await self._in_learner(self._weights), version=self.version)
+            await self.engine.update_weights(await self._weights(), version=self.version)
         if self.resume:  # the rewards of an earlier life of this folder, not trained on yet
             self.desk.restore()
             self.desk.ready = [s for s in self.desk.ready if _name(s) not in self.trained]
-        if self.held_out:
-            self.served_score = await self._in_learner(self.score)
+        if self.holds_back:
+            self.served_score = await self.learner.run("score")
             self.console.print(f"learn: held-out reward of the served weights {self.served_score:.3f}")
 
     async def run(self) -> None:
@@ -174,7 +151,7 @@ class Learning:
             if score is not None:
                 await self.desk.score_finished(score, learn.finished_s)
             self.desk.expire()
-            while len(self.desk.ready) >= learn.sessions_per_step:
+            while self._ready() >= learn.sessions_per_step:
                 try:
                     await self.learn_step()
                 except Exception as exc:  # the gateway goes on serving the weights it has
@@ -186,46 +163,36 @@ class Learning:
                     await self.desk.arrived.wait()
 
     async def learn_step(self) -> dict[str, float]:
-        """One step on the first ``sessions_per_step`` ready sessions; its metrics."""
+        """One step on the first ``sessions_per_step`` ready sessions that are not stale (the stale
+        ones left out first); its metrics ({} and no step when none is ready)."""
         t0 = time.perf_counter()
         learn = self.config.learn
-        sessions = self.desk.take(learn.sessions_per_step)
         version = weight_version(self.engine)
-        fresh = [s for s in sessions if _oldest(s) >= version - learn.algorithm.max_staleness]
-        self.counts["stale"] += len(sessions) - len(fresh)
-        left_out = {_name(s): "stale" for s in sessions if s not in fresh}
-        trajs = [t for s in fresh for t in s]
+        self._ready()
+        sessions = self.desk.take(learn.sessions_per_step)
+        if not sessions:
+            return {}
+        trajs = [t for s in sessions for t in s]
         advantages = []
-        for session in fresh:
+        for session in sessions:
             advantage = self.baselines.advantage(session[0].group_id, session[0].score)
             advantages += [[advantage] * max(t.num_turns, 1) for t in session]
         samples = build_samples(learn.algorithm.samples, trajs, advantages, learn.algorithm.loss_turns)
         samples = [s for s in samples if any(s.advantages)]
         tokens = sum(sum(s.loss_mask) for s in samples)
         metrics: dict[str, float] = {}
-        if samples:
-            policy = self.learner.policy
-            share = learn.train.share_prefix_tokens if shares_prefixes(policy) else 0
-            parts = batches_of(
-                samples,
-                learn.train.micro_batch_tokens,
-                self.learner.pad_id,
-                packs(learn.train.pack, policy),
-                share,
-            )
-            batches = [part.to(policy.device) for part in parts]
-            kept = await self._in_learner(self._snapshot) if self.held_out else None
-            self._updating = asyncio.ensure_future(self._in_learner(update, self.learner, batches, tokens))
-            metrics = await asyncio.shield(self._updating)
-            if await self._worse(kept):
-                policy.load_state_dict(kept)
-                left_out |= {_name(s): "held_back" for s in fresh}
-            else:
-                await self._serve()
+        left_out: dict[str, str] = {}
+        try:
+            if samples:
+                metrics = await self._update(samples, tokens)
+                left_out = {_name(s): "held_back" for s in sessions} if metrics.pop("held_back") else {}
+        except Exception:  # the learner's error, or its end: these sessions are not trained on
+            self.desk.learned(sessions, self.step + 1, {_name(s): "failed" for s in sessions})
+            raise
         self.step += 1
         self.trained |= {_name(s) for s in sessions}
         if learn.train.save_every and self.step % learn.train.save_every == 0:
-            await self._in_learner(self._save)
+            await self._save()
         self.desk.learned(sessions, self.step, left_out)
         rewards = [s[0].score for s in sessions]
         self.last = metrics | {
@@ -233,7 +200,7 @@ class Learning:
             "sessions": len(sessions),
             "reward_mean": statistics.fmean(rewards),
             "tokens": tokens,
-            "staleness_max": max((version - _oldest(s) for s in fresh), default=0),
+            "staleness_max": max(version - _oldest(s) for s in sessions),
             "weight_version": weight_version(self.engine),
             "seconds": time.perf_counter() - t0,
         }
@@ -244,12 +211,37 @@ class Learning:
         )
         return self.last
 
-    async def _worse(self, kept: dict[str, torch.Tensor] | None) -> bool:
-        """Whether the held-out check holds these new weights back (``kept``: the served ones)."""
+    async def _update(self, samples: list[TrainSample], tokens: int) -> dict[str, float]:
+        """The update, then the held-out check, then the swap; the update's metrics, and whether its
+        weights were held back (``held_back``: 1.0)."""
+        self._updating = asyncio.ensure_future(self.learner.run("update", samples, tokens, self.holds_back))
+        metrics: dict[str, float] = await asyncio.shield(self._updating)
+        if await self._worse():
+            await self.learner.run("put_back")
+            return metrics | {"held_back": 1.0}
+        await self._serve()
+        return metrics | {"held_back": 0.0}
+
+    def _ready(self) -> int:
+        """How many rewarded sessions a step can learn from: the ready ones whose tokens are more than
+        ``max_staleness`` versions older than the served weights are left out first (counted, and
+        written as left out with the last step), so that a step under heavy traffic takes only what
+        it can still correct for."""
+        limit = weight_version(self.engine) - self.config.learn.algorithm.max_staleness
+        stale = [s for s in self.desk.ready if _oldest(s) < limit]
+        if stale:
+            self.desk.ready = [s for s in self.desk.ready if _oldest(s) >= limit]
+            self.counts["stale"] += len(stale)
+            self.desk.learned(stale, self.step, {_name(s): "stale" for s in stale})
+        return len(self.desk.ready)
+
+    async def _worse(self) -> bool:
+        """Whether the held-out check holds the new weights back (their score against the served
+        weights')."""
         hold = self.config.learn.hold_back
-        if hold is None or kept is None or self.served_score is None:
+        if hold is None or self.served_score is None:
             return False
-        score = await self._in_learner(self.score)
+        score = await self.learner.run("score")
         if score < self.served_score - hold.margin:
             self.counts["held_back"] += 1
             self.console.print(
@@ -262,7 +254,7 @@ class Learning:
 
     async def _serve(self) -> None:
         """The policy's weights into the serving engine, between calls."""
-        weights = await self._in_learner(self._weights)  # the copy too: not on the serving loop
+        weights = await self._weights()  # the copy too: not on the serving loop
 
         async def load() -> None:
             await self.engine.update_weights(weights)
@@ -272,26 +264,6 @@ class Learning:
         else:
             await self.gateway.update_weights(load)
         self.counts["served_steps"] += 1
-
-    def score(self) -> float:
-        """The policy's mean held-out reward: a greedy reply to each held-out prompt."""
-        hold = self.config.learn.hold_back
-        assert hold is not None
-        reward = import_object(hold.reward, "learn.hold_back.reward")
-        policy, conv = self.learner.policy, self.gateway.encoder.conversation(None)
-        values = []
-        was_training = policy.training
-        policy.eval()
-        try:
-            with torch.no_grad():
-                for sample in self.held_out:
-                    ids = torch.tensor([conv.encode_prompt(sample.prompt)], device=policy.device)
-                    out = policy.generate(ids, max_new_tokens=hold.max_tokens, do_sample=False)
-                    text, _ = conv.assistant_text(out[0, ids.shape[1] :].tolist())
-                    values.append(float(reward(sample, text)))
-        finally:
-            policy.train(was_training)
-        return statistics.fmean(values)
 
     def metrics(self) -> list[str]:
         """Prometheus lines: steps, held back, stale sessions, the last step's reward and staleness."""
@@ -306,30 +278,18 @@ class Learning:
             f"turnrl_learn_staleness_max {self.last.get('staleness_max', 0)}",
         ]
 
-    def _save(self) -> None:
-        """The checkpoint, replaced whole (a crash leaves the old one or the new one)."""
-        tmp, final, old = (self.folder / f"{CHECKPOINT}{suffix}" for suffix in (".tmp", "", ".old"))
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.learner.policy.save_pretrained(tmp / "model")
+    async def _save(self) -> None:
+        """The checkpoint (``turnrl.app.learner``), with the gateway's side of it."""
         state = {
             "step": self.step,
             "version": weight_version(self.engine),
-            "optimizer": self.learner.optimizer.state_dict(),
-            "scheduler": self.learner.scheduler.state_dict(),
             "baselines": self.baselines.values,
             "trained": sorted(self.trained),
             "counts": self.counts,
         }
-        torch.save(state, tmp / "state.pt")
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        await self.learner.run("save", str(self.folder), state)
 
-    def _restore(self, saved: Path) -> None:
-        state = torch.load(saved / "state.pt", weights_only=False)
-        self.learner.optimizer.load_state_dict(state["optimizer"])
-        self.learner.scheduler.load_state_dict(state["scheduler"])
+    def _restore(self, state: dict[str, Any]) -> None:
         self.baselines = Baselines(self.config.learn.baseline_decay, state["baselines"])
         self.step, self.version, self.trained = (
             int(state["step"]),
@@ -339,21 +299,12 @@ class Learning:
         self.counts.update(state["counts"])
         self.console.print(f"learn: resumed at step {self.step} ({len(self.trained)} sessions trained on)")
 
-    def _snapshot(self) -> dict[str, torch.Tensor]:
-        """A copy of the policy's weights."""
-        return {k: v.detach().clone() for k, v in self.learner.policy.state_dict().items()}
-
-    def _weights(self) -> Weights:
+    async def _weights(self) -> Weights:
         """The policy's weights as the serving engine takes them: a copy for the embedded engine, a
         checkpoint folder (``learn/weights``, rewritten each time) that vLLM servers read."""
-        if isinstance(self.gateway.engine, HFEngine):
-            return self._snapshot()
-        return save_weights(self.learner.policy.state_dict(), self.folder / WEIGHTS_DIR)
-
-    async def _in_learner(self, work: Callable[..., T], *args: Any) -> T:
-        """``work(*args)`` on the learner's own thread, at ``learn.nice`` (its OpenMP workers, made by
-        it, inherit that), so that serving keeps the CPU it needs."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+        folder = None if isinstance(self.gateway.engine, HFEngine) else str(self.folder / WEIGHTS_DIR)
+        weights: Weights = await self.learner.run("weights", folder)
+        return weights
 
     async def stop(self, task: asyncio.Task[None] | None) -> None:
         """Stop learning (``task``: its ``run``): an update under way ends first (its thread cannot be
@@ -366,14 +317,8 @@ class Learning:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(STOP_WAIT_S):
                     await asyncio.gather(self._updating, return_exceptions=True)
-        self._executor.shutdown(wait=False)
+        self.learner.close()
         self._metrics.close()
-
-
-def _lower_priority(nice: int) -> None:
-    """Run the calling thread (and the threads it starts) at ``nice``."""
-    with contextlib.suppress(OSError, AttributeError):  # a platform without per-thread priorities
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def _name(session: list[Trajectory]) -> str:

@@ -42,11 +42,12 @@ def port_in_use(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux only; elsewhere a no-op)."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In a child (before exec, or first thing): ``sig`` when the parent dies (Linux only; elsewhere
+    a no-op). The parent is the thread that started the child: start children from one that lasts."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
 class ServerProcess:
@@ -93,7 +94,7 @@ class ServerProcess:
             stderr=out,
             env=self.environment(),
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         _LIVE.add(self)
         return self

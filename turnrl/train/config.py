@@ -405,9 +405,14 @@ class LearnConfig(_Strict):
     two decode steps, calls generating go on under the new ones with the KV they have (no pause; a
     reply may span two versions, each token's version recorded and the importance correction
     applied, as in overlapped training)."""
+    learner: Literal["process", "thread"] = "process"
+    """Where the policy and its optimizer live. ``process``: a process of its own, started with the
+    gateway and ended with it: it shares no interpreter lock, OpenMP pool or heap with serving, and
+    a learner killed for memory fails its steps, not the gateway. ``thread``: a thread of the
+    gateway's process: it starts at once and holds no second copy of the libraries."""
     nice: int = Field(19, ge=0, le=19)
-    """The learner's threads run at this nice value: 19 takes only the CPU that serving leaves (where
-    the learner has cores or a device of its own, it changes nothing); 0: the same as serving."""
+    """The learner runs at this nice value: 19 takes only the CPU that serving leaves (where the
+    learner has cores or a device of its own, it changes nothing); 0: the same as serving."""
 
     @model_validator(mode="after")
     def _one_process(self) -> LearnConfig:
