@@ -12,7 +12,7 @@ the latency of a call (p50, p99). Reward to weights: per step, from the post of 
 completed its batch to the moment the step's weights are served.
 
     .venv/bin/python bench/learning.py [--sessions 8] [--seconds 60] [--repeats 2] [--nice 19] [--lr 1e-9]
-        [--swap between_calls|in_flight] [--learner process|thread]
+        [--swap between_calls|in_flight] [--learner thread|process]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-9, help=f"the learner's rate: {same}")
     parser.add_argument("--nice", type=int, default=19, help="learn.nice")
     parser.add_argument("--swap", choices=["between_calls", "in_flight"], default="between_calls")
-    parser.add_argument("--learner", choices=["process", "thread"], default="process", help="learn.learner")
+    parser.add_argument("--learner", choices=["thread", "process"], default="thread", help="learn.learner")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     config = LearningGatewayConfig.model_validate(

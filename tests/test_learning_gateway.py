@@ -120,7 +120,7 @@ def test_rewards_train_the_served_model_and_stale_sessions_are_left_out(
     tiny_qwen3_dir: Path, qwen3_tokenizer: Any, tmp_path: Path
 ) -> None:
     gateway, desk, learning = learning_gateway(
-        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, algorithm={"max_staleness": 0}
+        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, algorithm={"max_staleness": 0}, learner="process"
     )
     before = learning.learner.call("state_dict")
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
@@ -143,8 +143,8 @@ def test_rewards_train_the_served_model_and_stale_sessions_are_left_out(
         assert versions == {1}
         assert metric(url, "turnrl_learn_sessions_learned_total") == 4
         assert metric(url, "turnrl_learn_sessions_stale_total") == 2
-        # the learner is a process of its own (learn.learner), at nice 19: it only takes the CPU
-        # that serving leaves (learn.nice)
+        # the learner in a process of its own (learn.learner: process), at nice 19: it only takes
+        # the CPU that serving leaves (learn.nice)
         assert isinstance(learning.learner, ProcessLearner) and learning.learner.call("niceness") == 19
         assert learning.learner.pid != os.getpid() and learning.learner.pid in _children(os.getpid())
         changed = [k for k, v in learning.learner.call("state_dict").items() if not torch.equal(v, before[k])]
@@ -169,9 +169,7 @@ def test_rewards_train_the_served_model_and_stale_sessions_are_left_out(
 def test_bad_rewards_are_refused_counted_and_never_trained(
     tiny_qwen3_dir: Path, qwen3_tokenizer: Any, tmp_path: Path
 ) -> None:
-    gateway, desk, learning = learning_gateway(
-        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, expire_s=0.5, learner="thread"
-    )
+    gateway, desk, learning = learning_gateway(tiny_qwen3_dir, qwen3_tokenizer, tmp_path, expire_s=0.5)
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, _):
         chat(url, "kept", "Hello?")
         chat(url, "forgotten", "Hello?")
@@ -203,7 +201,7 @@ def test_a_reward_function_scores_finished_sessions(
 ) -> None:
     gateway, desk, learning = learning_gateway(
         tiny_qwen3_dir, qwen3_tokenizer, tmp_path, reward=f"{__name__}:session_reward", finished_s=0.4,
-        sessions_per_step=4, learner="thread",
+        sessions_per_step=4,
     )  # fmt: skip
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
         task = asyncio.run_coroutine_threadsafe(learning.run(), loop)
@@ -226,8 +224,8 @@ def test_a_step_that_scores_worse_on_held_out_prompts_is_held_back(
     HELD_OUT_SCORES[:] = [1.0, 0.2]  # served: 1.0; the new weights: 0.2, past the margin of 0.1
     hold = {"data": {"path": str(rows)}, "reward": f"{__name__}:held_out_reward", "max_tokens": 4}
     gateway, desk, learning = learning_gateway(
-        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, hold_back=hold, learner="thread"
-    )  # a thread: the held-out reward's scores are this module's
+        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, hold_back=hold
+    )  # the learner's thread (the default): the held-out reward's scores are this module's
     served_weights = learning.learner.call("state_dict")
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
         asyncio.run_coroutine_threadsafe(learning.start(), loop).result(60)
@@ -252,7 +250,7 @@ def test_an_in_flight_swap_serves_new_weights_without_waiting_for_the_calls_unde
     waiting for them; no call is lost, and a reply that spans the swap records its tokens' versions
     as sampled, the old then the new (never silently one)."""
     gateway, desk, learning = learning_gateway(
-        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, max_tokens=1000, swap="in_flight", nice=0, learner="thread"
+        tiny_qwen3_dir, qwen3_tokenizer, tmp_path, max_tokens=1000, swap="in_flight", nice=0
     )  # long replies; the learner's thread not starved by them
     with served(gateway, make_app(gateway, desk, [learning.metrics])) as (url, loop):
         started = threading.Barrier(4)
@@ -332,7 +330,12 @@ def test_a_killed_learning_gateway_resumes_with_no_rewarded_session_lost(
                 "output_dir": str(out),
                 "port": 0,
                 "sampling": {"max_tokens": 8, "temperature": 1.0},
-                "learn": {"sessions_per_step": 2, "optim": {"lr": 1e-3}, "train": {"save_every": 1}},
+                "learn": {
+                    "sessions_per_step": 2,
+                    "optim": {"lr": 1e-3},
+                    "train": {"save_every": 1},
+                    "learner": "process",  # a process of its own: none left behind by a kill
+                },
             }
         )
     )

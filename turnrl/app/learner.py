@@ -1,17 +1,19 @@
 """A learning gateway's learner: the policy it trains and its optimizer, and where they live
 (``learn.learner``).
 
-``process`` (the default): a process of its own, started with the gateway (spawned, at
-``learn.nice``, ended with it). It shares nothing with serving: not the interpreter's lock, which a
-learner thread at nice 19 can hold while the scheduler gives it no CPU to let go of it; not the
-OpenMP worker pool (libgomp stops its workers spinning while a process holds more of them than it
-has cores, and the engine's decode steps slow by about a quarter while a learner thread has a pool
-of its own); not the C heap. A learner killed for memory takes its steps with it, not the gateway:
-they fail, counted, and serving goes on. A step's weights come back through one shared-memory
-block per dtype, not one file descriptor per tensor.
+``thread`` (the default): one thread of the gateway's process, at ``learn.nice``: it starts at once
+and shares the gateway's memory (no second copy of the interpreter and libraries, nothing sent
+between processes).
 
-``thread``: one thread of the gateway's process: it starts at once and shares the gateway's memory
-(no second copy of the interpreter and libraries, nothing sent between processes).
+``process``: a process of its own, started with the gateway (spawned, at ``learn.nice``, ended with
+it). It shares nothing with serving: not the interpreter's lock, which a learner thread at nice 19
+can hold while the scheduler gives it no CPU to let go of it; not the OpenMP worker pool (libgomp
+stops its workers spinning while a process holds more of them than it has cores, and the engine's
+decode steps slow by about a quarter while a learner thread has a pool of its own); not the C
+heap. A learner killed for memory takes its steps with it, not the gateway: they fail, counted,
+and serving goes on. A step's weights come back through one shared-memory block per dtype, not one
+file descriptor per tensor. Where serving keeps every core busy, its OpenMP workers and the
+learner's spin against each other and the learner crawls (docs/learning.md): give it cores.
 
 Either way the gateway calls the same ``PolicyLearner`` methods by name (``call``, or ``run`` from
 the event loop), one at a time.
@@ -194,7 +196,7 @@ class LearnerHost(Protocol):
 
 def start_learner(spec: LearnerSpec) -> LearnerHost:
     """The learner ``spec.learn.learner`` says, started and its policy loaded."""
-    return ProcessLearner(spec) if spec.learn.learner == "process" else ThreadLearner(spec)
+    return ThreadLearner(spec) if spec.learn.learner == "thread" else ProcessLearner(spec)
 
 
 class ThreadLearner:
