@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-9, help=f"the learner's rate: {same}")
     parser.add_argument("--nice", type=int, default=19, help="learn.nice")
     parser.add_argument("--swap", choices=["between_calls", "in_flight"], default="between_calls")
-    parser.add_argument("--learner", choices=["thread", "process"], default="thread", help="learn.learner")
+    parser.add_argument("--learner", choices=["thread", "process"], default="process", help="learn.learner")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     config = LearningGatewayConfig.model_validate(

@@ -31,6 +31,7 @@ from turnrl.gateway.rewards import LEARNED, REWARDED, RewardDesk
 from turnrl.gateway.routes import make_app
 from turnrl.gateway.server import Gateway
 from turnrl.gateway.store import CallLog
+from turnrl.support.cpus import usable_cores
 from turnrl.tools.parsers import get_parser
 
 HELD_OUT_SCORES: list[float] = []  # what the held-out reward below answers, in turn
@@ -58,7 +59,7 @@ def learning_gateway(
             "model": str(tiny_qwen3_dir),
             "output_dir": str(out),
             "sampling": {"max_tokens": max_tokens, "temperature": 1.0},
-            "learn": {"sessions_per_step": 2, "optim": {"lr": 1e-3}, **learn},
+            "learn": {"sessions_per_step": 2, "optim": {"lr": 1e-3}, "learner": "thread", **learn},
         }
     )
     engine = hf_engine(str(tiny_qwen3_dir), HFEngineConfig())
@@ -144,8 +145,9 @@ def test_rewards_train_the_served_model_and_stale_sessions_are_left_out(
         assert metric(url, "turnrl_learn_sessions_learned_total") == 4
         assert metric(url, "turnrl_learn_sessions_stale_total") == 2
         # the learner in a process of its own (learn.learner: process), at nice 19: it only takes
-        # the CPU that serving leaves (learn.nice)
+        # the CPU that serving leaves (learn.nice), on half the cores (learn.threads)
         assert isinstance(learning.learner, ProcessLearner) and learning.learner.call("niceness") == 19
+        assert learning.learner.call("threads") == max(1, usable_cores() // 2)
         assert learning.learner.pid != os.getpid() and learning.learner.pid in _children(os.getpid())
         changed = [k for k, v in learning.learner.call("state_dict").items() if not torch.equal(v, before[k])]
         assert changed  # the policy learned from the rewarded sessions

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -74,3 +76,45 @@ async def test_the_engine_and_its_callers_leave_no_idle_pool(tiny_qwen3_dir: Pat
         await until(lambda: _threads() == before, 10, "the idle engine freeing its pool and its caller's")
         _compute()
         assert _threads() == before + 1
+
+
+SPARE = """
+import os, time
+from turnrl.support.openmp import SpareWorkers, release_pool
+import torch
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def settled(count):
+    deadline = time.monotonic() + 10
+    while threads() != count and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return threads()
+
+spare = SpareWorkers()
+with spare:  # its thread, and what torch's first parallel work starts once, made before counting
+    pass
+before = settled(threads() - 1)
+with spare:
+    held = threads()
+    a = torch.randn(256, 256)
+    (a @ a).sum()  # other work goes on meanwhile
+    release_pool()  # this thread's own pool
+after = settled(before)
+with spare:  # held again: a new pool
+    again = threads()
+spare.close()
+print(before, held, after, again)
+"""
+
+
+def test_spare_workers_hold_one_idle_pool_while_held() -> None:
+    """``SpareWorkers`` (a learner process computes: serving's workers should spin less): while held,
+    the process has a pool more (libgomp then counts more workers than cores and shortens every
+    team's spin); released, the pool is gone. In a process of its own: no other test's threads."""
+    assert needs_two, "this machine runs torch on one thread: no pool to see"
+    done = subprocess.run([sys.executable, "-c", SPARE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, held, after, again = (int(n) for n in done.stdout.split())
+    assert held == before + 1 and after == before and again == held, (before, held, after, again)

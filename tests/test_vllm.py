@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -377,9 +377,55 @@ def test_a_streamed_gateway_call_shows_vllms_tokens_as_they_arrive(
     assert_exact(branch.trajectory("streamer"), timed.seen)
 
 
+@pytest.mark.parametrize("sync", ["file", "collective"])
 async def test_weights_update_in_place_exactly_and_stamp_their_version(
-    client: VLLMServerEngine, smollm2: Any, smollm2_tokenizer: Any
+    servers: Any, smollm2: Any, smollm2_tokenizer: Any, sync: Literal["file", "collective"]
 ) -> None:
+    """Either way a state dict reaches the server (a folder it loads, or a broadcast to its workers
+    over a gloo group), it serves exactly the new weights."""
+    url, eos = servers.servers[0].url, [smollm2_tokenizer.eos_token_id]
+    client = VLLMServerEngine(
+        url, eos_token_ids=eos, timeout_s=120, refresh_tied_weights=True, weight_sync=sync
+    )
+    try:
+        await updates_in_place(client, smollm2, smollm2_tokenizer)
+        assert (client.weights_dir is None) == (sync == "collective")  # nothing written to a disk
+    finally:
+        await client.close()
+
+
+async def test_a_collective_client_joins_again_once_another_took_the_workers(
+    servers: Any, smollm2: Any, smollm2_tokenizer: Any
+) -> None:
+    """Two trainers' clients of one server, each with a weight group: the second takes the workers
+    into its group; the first sees that at its next push and makes a new group (no push lost, none
+    waits for a group the workers left)."""
+    url, eos = servers.servers[0].url, [smollm2_tokenizer.eos_token_id]
+    first, second = (
+        VLLMServerEngine(
+            url, eos_token_ids=eos, refresh_tied_weights=True, weight_sync="collective", timeout_s=120
+        )
+        for _ in range(2)
+    )
+    prompt = chat(smollm2_tokenizer, "Tell me about the sea.")
+    sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+    new = perturbed(smollm2, 1.3)
+    try:
+        await first.update_weights(new)
+        group = first._group
+        await second.update_weights(smollm2.state_dict())
+        await first.update_weights(new)
+        assert first._group is not None and first._group is not group  # a new group
+        after = await first.generate(prompt, sampling)
+        expected = reference(with_weights(smollm2, new), prompt, after.token_ids)
+        assert max_diff(after.logprobs, expected) < TOLERANCE
+    finally:
+        await second.update_weights(smollm2.state_dict())  # the base weights again, for the next test
+        await first.close()
+        await second.close()
+
+
+async def updates_in_place(client: VLLMServerEngine, smollm2: Any, smollm2_tokenizer: Any) -> None:
     prompt = chat(smollm2_tokenizer, "Tell me about the sea.")
     sampling = SamplingParams(temperature=1.0, max_tokens=16, seed=7)
     before = await client.generate(prompt, sampling)  # also fills the prefix cache for this prompt
@@ -566,9 +612,10 @@ def test_a_learning_gateway_on_vllm_serves_the_weights_it_learned(
     servers: Any, smollm2: Any, smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
     """``turnrl gateway`` with ``learn`` and ``engine.kind: vllm``: openai-SDK users' sessions are
-    served by a real vLLM server, two rewards start a step, the learner (on CPU) writes its new
-    weights where the server reads them, and the next reply is sampled by them: its logprobs are the
-    trained policy's, not the base model's, and its tokens carry the new version."""
+    served by a real vLLM server, two rewards start a step, the learner (on CPU) sends its new
+    weights to the server's workers (``weight_sync: collective``: nothing written), and the next
+    reply is sampled by them: its logprobs are the trained policy's, not the base model's, and its
+    tokens carry the new version."""
     from gateway_fixtures import served
     from openai import OpenAI
     from vllm_helpers import MODEL
@@ -581,16 +628,18 @@ def test_a_learning_gateway_on_vllm_serves_the_weights_it_learned(
     from turnrl.gateway.store import CallLog
 
     url = servers.servers[0].url
+    on_vllm = {"kind": "vllm", "urls": [url], "weight_sync": "collective", "refresh_tied_weights": True}
     config = LearningGatewayConfig.model_validate(
         {
             "model": MODEL,
-            "engine": {"kind": "vllm", "urls": [url], "refresh_tied_weights": True},
+            "engine": on_vllm,
             "output_dir": str(tmp_path),
             "sampling": {"max_tokens": 8, "temperature": 1.0},
-            "learn": {"sessions_per_step": 2, "optim": {"lr": 1e-3}},
+            "learn": {"sessions_per_step": 2, "optim": {"lr": 1e-3}, "learner": "thread"},
         }
     )
-    engine = VLLMServerEngine(url, eos_token_ids=[smollm2_tokenizer.eos_token_id], refresh_tied_weights=True)
+    eos = [smollm2_tokenizer.eos_token_id]
+    engine = VLLMServerEngine(url, eos_token_ids=eos, refresh_tied_weights=True, weight_sync="collective")
     gateway = Gateway(engine, ChatEncoder(smollm2_tokenizer), None, config, CallLog(tmp_path))
     desk = RewardDesk(gateway, tmp_path / "learn", config.learn.expire_s)
     learning = Learning(config, gateway, desk, Console(stderr=True, quiet=True))
@@ -626,7 +675,7 @@ def test_a_learning_gateway_on_vllm_serves_the_weights_it_learned(
         learned = reference(policy, prompt, tokens)
         assert max_diff(served_lps, learned) < TOLERANCE  # the server serves what the learner holds
         assert max_diff(served_lps, reference(smollm2, prompt, tokens)) > 100 * TOLERANCE
-        assert (tmp_path / "learn" / "weights" / "model.safetensors").is_file()
+        assert not (tmp_path / "learn" / "weights").exists()  # by collective: no file
     finally:
         learning.learner.close()
         asyncio.run(base_weights(url, smollm2))  # for the tests after this one
@@ -644,6 +693,7 @@ async def test_turnrl_train_pushes_weights_to_vllm_and_the_ratio_is_one_after_a_
         "engine.kind=vllm",
         f'engine.urls=["{url}"]',
         "engine.refresh_tied_weights=true",  # a server turnrl started: it has the worker extension
+        "engine.weight_sync=collective",  # each push broadcast to the server's workers (gloo), no file
         f"output_dir={tmp_path / 'train'}",
         "train.steps=2",
         "train.prompts_per_step=4",

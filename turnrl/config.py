@@ -195,6 +195,14 @@ class VLLMEngineConfig(_ClientConfig):
     refresh_tied_weights: bool | None = None
     """After each reload, refresh a tied output layer's packed copy (vLLM's CPU build keeps it stale)
     through turnrl's worker extension; None: on for servers turnrl starts, off for urls."""
+    weight_sync: Literal["auto", "collective", "file"] = "auto"
+    """How a step's weights reach the servers. ``collective``: broadcast in buckets to each server's
+    workers over a process group with this process (gloo for CPU weights, NCCL for GPU ones;
+    nothing touches a disk; the servers run turnrl's worker extension). ``file``: written as
+    safetensors to ``weights_dir`` and loaded by each server (servers on other machines that cannot
+    reach this one). ``auto``: collective for servers turnrl starts, file for ``urls``."""
+    weight_sync_host: str = "127.0.0.1"
+    """With ``collective``: the address at which the servers' workers reach this process's group."""
     request_params: dict[str, Any] = Field(default_factory=dict)
     """More fields for every request, e.g. {repetition_penalty: 1.1, min_p: 0.05} (turnrl's own win)."""
     keep_in_flight: bool = False
@@ -209,6 +217,14 @@ class VLLMEngineConfig(_ClientConfig):
     """In process: vLLM's AsyncEngineArgs (gpu_memory_utilization, tensor_parallel_size...)."""
     ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
     """Engine actors on Ray, each running vLLM in process; off: in this process."""
+
+    @property
+    def sync_way(self) -> Literal["file", "collective"]:
+        """How weights reach the servers: ``weight_sync``, ``auto`` being collective for servers
+        turnrl starts (loopback, its worker extension) and file for ``urls``."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        return "file" if self.urls else "collective"
 
     @model_validator(mode="after")
     def _one_mode(self) -> VLLMEngineConfig:

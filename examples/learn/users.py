@@ -6,10 +6,10 @@ rewards it by a liking of their own that the model is never told: each wants ans
 posted to the gateway (``POST /v1/rewards``, the user's name as the task, so each user has a
 baseline of their own), which trains the model it serves on them while it goes on serving.
 
-    python examples/learn/users.py [--minutes 5] [--users 8]
+    python examples/learn/users.py [--minutes 5] [--users 8] [--set learn.learner=process]
 
-starts ``turnrl gateway examples/learn/gateway.yaml`` (or uses ``--url``), plays the users for
-``--minutes``, prints the mean reward per minute, writes every session's reward to
+starts ``turnrl gateway examples/learn/gateway.yaml`` (with each ``--set``; or uses ``--url``),
+plays the users for ``--minutes``, prints the mean reward per minute, writes every session's reward to
 ``runs/learn/users.jsonl``, and stops the gateway.
 """
 
@@ -80,9 +80,11 @@ async def user(name: str, limit: int, url: str, until: float, out: list[dict[str
     await client.close()
 
 
-def start_gateway() -> tuple[subprocess.Popen[str], str]:
-    """``turnrl gateway examples/learn/gateway.yaml`` (a fresh runs/learn); its process and URL."""
-    command = [sys.executable, "-m", "turnrl.cli", "gateway", str(HERE / "gateway.yaml"), "--overwrite"]
+def start_gateway(sets: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """``turnrl gateway examples/learn/gateway.yaml`` with ``sets`` (a fresh runs/learn); its process
+    and URL."""
+    config = [str(HERE / "gateway.yaml"), *(w for s in sets for w in ("--set", s))]
+    command = [sys.executable, "-m", "turnrl.cli", "gateway", *config, "--overwrite"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "TERM": "dumb"})
     found: list[str] = []
     ready = threading.Event()
@@ -107,8 +109,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--url", help="a learning gateway already running (default: start one)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for the gateway")
     args = parser.parse_args()
-    process, url = (None, args.url) if args.url else start_gateway()
+    process, url = (None, args.url) if args.url else start_gateway(args.set)
     out: list[dict[str, object]] = []
     t0 = time.monotonic()
     try:

@@ -1,19 +1,20 @@
 """A learning gateway's learner: the policy it trains and its optimizer, and where they live
 (``learn.learner``).
 
-``thread`` (the default): one thread of the gateway's process, at ``learn.nice``: it starts at once
-and shares the gateway's memory (no second copy of the interpreter and libraries, nothing sent
-between processes).
+``process`` (the default): a process of its own, started with the gateway (spawned, at
+``learn.nice``, ended with it). It shares nothing with serving: not the interpreter's lock, which a
+learner thread at nice 19 can hold while the scheduler gives it no CPU to let go of it; not the
+OpenMP worker pool; not the C heap. A learner killed for memory takes its steps with it, not the
+gateway: they fail, counted, and serving goes on. A step's weights come back through one
+shared-memory block per dtype, not one file descriptor per tensor. Its torch threads are
+``learn.threads`` (half the cores by default) and its OpenMP workers sleep between parallel
+regions; while it computes, the gateway holds a spare OpenMP worker so that the engine's workers
+spin less (``SpareWorkers``): where serving keeps every core busy, a learner without both ended no
+step in 5 minutes (docs/learning.md).
 
-``process``: a process of its own, started with the gateway (spawned, at ``learn.nice``, ended with
-it). It shares nothing with serving: not the interpreter's lock, which a learner thread at nice 19
-can hold while the scheduler gives it no CPU to let go of it; not the OpenMP worker pool (libgomp
-stops its workers spinning while a process holds more of them than it has cores, and the engine's
-decode steps slow by about a quarter while a learner thread has a pool of its own); not the C
-heap. A learner killed for memory takes its steps with it, not the gateway: they fail, counted,
-and serving goes on. A step's weights come back through one shared-memory block per dtype, not one
-file descriptor per tensor. Where serving keeps every core busy, its OpenMP workers and the
-learner's spin against each other and the learner crawls (docs/learning.md): give it cores.
+``thread``: one thread of the gateway's process, at ``learn.nice``: it starts at once and shares
+the gateway's memory (no second copy of the interpreter and libraries, nothing sent between
+processes).
 
 Either way the gateway calls the same ``PolicyLearner`` methods by name (``call``, or ``run`` from
 the event loop), one at a time.
@@ -28,6 +29,7 @@ import shutil
 import signal
 import statistics
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -42,9 +44,11 @@ from turnrl.chat.encoder import ChatEncoder
 from turnrl.engines.process import die_with_parent
 from turnrl.engines.vllm import save_weights
 from turnrl.models.loading import load_model
+from turnrl.support.cpus import usable_cores
 from turnrl.support.errors import describe
 from turnrl.support.heap import learner_thread
 from turnrl.support.imports import import_object
+from turnrl.support.openmp import SpareWorkers
 from turnrl.train.batch import TrainSample, batches_of, packs
 from turnrl.train.config import AlgorithmConfig, LearnConfig, OptimConfig, TrainLoopConfig
 from turnrl.train.logprobs import shares_prefixes
@@ -177,6 +181,10 @@ class PolicyLearner:
         """The nice value the learner's work runs at."""
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
+    def threads(self) -> int:
+        """The torch threads the learner's work runs on."""
+        return torch.get_num_threads()
+
 
 class LearnerHost(Protocol):
     """Where the ``PolicyLearner`` lives; its methods are called by name, one at a time."""
@@ -231,9 +239,11 @@ class ProcessLearner:
         self._process = context.Process(
             target=serve_learner, args=(child, spec), name="turnrl-learner", daemon=True
         )
-        self._process.start()
+        with passive_openmp():
+            self._process.start()
         child.close()
         self._lock = threading.Lock()
+        self._spare = SpareWorkers()
         self._executor = ThreadPoolExecutor(1, "turnrl-learner-pipe")
         if not self._conn.poll(START_TIMEOUT_S):
             self.close()
@@ -245,7 +255,7 @@ class ProcessLearner:
         return self._process.pid
 
     def call(self, method: str, *args: Any) -> Any:
-        with self._lock:
+        with self._lock, self._spare:  # the learner computes: serving's workers spin less
             try:
                 self._conn.send((method, args))
             except (OSError, ValueError):  # the pipe is gone with the process
@@ -283,6 +293,7 @@ class ProcessLearner:
             self._process.kill()
             self._process.join()
         self._executor.shutdown(wait=False)
+        self._spare.close()
 
 
 def serve_learner(conn: Connection, spec: LearnerSpec) -> None:
@@ -293,6 +304,7 @@ def serve_learner(conn: Connection, spec: LearnerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     lower_priority(spec.learn.nice)
+    torch.set_num_threads(spec.learn.threads or learner_threads())
     try:
         core = PolicyLearner(spec)
     except Exception as exc:
@@ -338,6 +350,26 @@ def unpack_tensors(packed: Packed) -> dict[str, torch.Tensor]:
     return {
         name: blocks[dtype][start : start + shape.numel()].view(shape) for name, dtype, start, shape in layout
     }
+
+
+@contextlib.contextmanager
+def passive_openmp() -> Iterator[None]:
+    """Processes started inside this block have OpenMP workers that sleep between parallel regions
+    (``OMP_WAIT_POLICY=PASSIVE``, read once as the library loads; unless the user set it): a
+    learner's spinning workers would burn the cores serving needs, and serving's the learner's."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
+
+
+def learner_threads() -> int:
+    """A learner process's default torch threads: half the cores this process may use, at least 1."""
+    return max(1, usable_cores() // 2)
 
 
 def lower_priority(nice: int) -> None:

@@ -37,7 +37,6 @@ from rich.console import Console
 
 from turnrl.app.learner import CHECKPOINT, LearnerSpec, start_learner
 from turnrl.config import HFEngineConfig, VLLMEngineConfig
-from turnrl.engines.hf import HFEngine
 from turnrl.gateway.config import GatewayConfig
 from turnrl.gateway.rewards import RewardDesk
 from turnrl.gateway.server import Gateway
@@ -300,9 +299,12 @@ class Learning:
         self.console.print(f"learn: resumed at step {self.step} ({len(self.trained)} sessions trained on)")
 
     async def _weights(self) -> Weights:
-        """The policy's weights as the serving engine takes them: a copy for the embedded engine, a
-        checkpoint folder (``learn/weights``, rewritten each time) that vLLM servers read."""
-        folder = None if isinstance(self.gateway.engine, HFEngine) else str(self.folder / WEIGHTS_DIR)
+        """The policy's weights as the serving engine takes them: a copy for the embedded engine and
+        for vLLM servers that take them by collective, else a checkpoint folder (``learn/weights``,
+        rewritten each time) that the servers read."""
+        servers = self.config.engine
+        by_file = isinstance(servers, VLLMEngineConfig) and servers.sync_way == "file"
+        folder = str(self.folder / WEIGHTS_DIR) if by_file else None
         weights: Weights = await self.learner.run("weights", folder)
         return weights
 

@@ -45,19 +45,23 @@ The server must run with ``VLLM_SERVER_DEV_MODE=1`` for these endpoints (managed
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
 from turnrl.engines.http import JsonClient, RequestError, RetryPolicy, finish, present
 from turnrl.engines.openai import completion_payload
 from turnrl.engines.weights import write_safetensors
+
+if TYPE_CHECKING:
+    from turnrl.engines.weight_group import WeightGroup
 from turnrl.types import TOKEN_SINK, EngineError, Generation, SamplingParams, Weights
 from turnrl.vision.processor import image_url
 
@@ -207,6 +211,8 @@ class VLLMServerEngine:
         image_token_id: int | None = None,
         refresh_tied_weights: bool = False,
         keep_in_flight: bool = False,
+        weight_sync: Literal["file", "collective"] = "file",
+        weight_sync_host: str = "127.0.0.1",
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         """``base_url`` is the server root; ``weights_dir`` is where a state dict given to
@@ -216,7 +222,10 @@ class VLLMServerEngine:
         the fields turnrl sets itself win); ``image_token_id``: the VLM's image token, for turns
         with images; ``refresh_tied_weights``: the server runs turnrl's worker extension (servers
         turnrl starts do), called after each reload; ``keep_in_flight``: an update freezes the
-        generations in flight and they go on under the new weights (the module's docstring)."""
+        generations in flight and they go on under the new weights (the module's docstring);
+        ``weight_sync``: how a state dict reaches the server: written to ``weights_dir`` and loaded
+        (``file``), or broadcast to its workers over a process group whose store this process holds
+        at ``weight_sync_host`` (``collective``; the server runs turnrl's worker extension)."""
         root = base_url.rstrip("/")
         root = root[: -len("/v1")] if root.endswith("/v1") else root
         retry = RetryPolicy(max_retries=max_retries, budget_s=retry_budget_s)
@@ -230,6 +239,9 @@ class VLLMServerEngine:
         self.image_token_id = image_token_id
         self.refresh_tied_weights = refresh_tied_weights
         self.keep_in_flight = keep_in_flight
+        self.weight_sync = weight_sync
+        self.weight_sync_host = weight_sync_host
+        self._group: WeightGroup | None = None
         self._labels: dict[str, int] = {}  # the weight-version labels this engine gave the server
         self._own_weights_dir = False
         self._version = 0
@@ -371,13 +383,19 @@ class VLLMServerEngine:
         ``keep_in_flight``: they freeze and go on under the new weights).
         """
         new = self._version + 1 if version is None else version
-        folder = self._save(weights) if isinstance(weights, Mapping) else Path(weights)
-        if not any(folder.glob("*.safetensors")):
-            raise EngineError(f"no *.safetensors in {folder} for the vLLM server to load")
+        collective = self.weight_sync == "collective" and isinstance(weights, Mapping)
+        folder = None
+        if not collective:
+            folder = self._save(weights) if isinstance(weights, Mapping) else Path(weights)
+            if not any(folder.glob("*.safetensors")):
+                raise EngineError(f"no *.safetensors in {folder} for the vLLM server to load")
         await self._client.post(f"/pause?mode={'keep' if self.keep_in_flight else 'wait'}", {})
         try:
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}
-            await self._client.post("/collective_rpc", rpc, timeout_s=max(self._client.timeout_s, 600.0))
+            if folder is None:
+                await self._broadcast(weights)  # type: ignore[arg-type]
+            else:
+                rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}
+                await self._client.post("/collective_rpc", rpc, timeout_s=max(self._client.timeout_s, 600.0))
             if self.refresh_tied_weights:
                 await self._client.post("/collective_rpc", {"method": "refresh_tied_weights"})
             if not self.keep_in_flight:  # frozen requests hold their KV: vLLM would refuse the reset
@@ -388,6 +406,54 @@ class VLLMServerEngine:
         finally:
             await self._client.post("/resume", {})
         return new
+
+    async def _broadcast(self, weights: Mapping[str, Any]) -> None:
+        """Send ``weights`` to the server's workers over the weight group while they load them bucket
+        by bucket. A new group is made at the first push, after a push that failed, and when the
+        workers are not in this client's group (another client joined them since, or the server
+        restarted)."""
+        from turnrl.engines.weight_group import buckets_of, layout  # torch: only where weights are sent
+
+        try:
+            answer = await self._client.post("/collective_rpc", {"method": "weight_group_id"})
+            ids = answer.get("results", []) if isinstance(answer, Mapping) else []
+            group = self._group
+            if group is None or any(i != group.id for i in ids):
+                group = await self._join_group(len(ids), weights)
+            buckets = buckets_of(untied(weights))
+            rpc = {"method": "receive_weights", "args": [json.dumps(layout(buckets))]}
+            timeout = max(self._client.timeout_s, 600.0)
+            received = asyncio.ensure_future(self._client.post("/collective_rpc", rpc, timeout_s=timeout))
+            await asyncio.gather(asyncio.to_thread(group.send, buckets), received)
+        except BaseException:
+            self._leave_group()
+            raise
+
+    async def _join_group(self, workers: int, weights: Mapping[str, Any]) -> WeightGroup:
+        """A new weight group with the server's ``workers`` (gloo for CPU weights, NCCL for CUDA ones)."""
+        from turnrl.engines.weight_group import WeightGroup
+
+        self._leave_group()
+        if workers == 0:
+            raise EngineError(f"{self.base_url} reported no workers for a weight group")
+        on_gpu = any(getattr(t, "is_cuda", False) for t in weights.values())
+        backend = "nccl" if on_gpu else "gloo"
+        timeout_s = self._client.timeout_s
+        group = WeightGroup(workers, host=self.weight_sync_host, backend=backend, timeout_s=timeout_s)
+        rpc = {"method": "init_weight_group", "args": [json.dumps(group.spec())]}
+        joined = asyncio.ensure_future(self._client.post("/collective_rpc", rpc))
+        try:
+            await asyncio.gather(asyncio.to_thread(group.connect), joined)
+        except BaseException:
+            group.close()
+            raise
+        self._group = group
+        return group
+
+    def _leave_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
 
     async def follow_weights(self, version: int) -> None:
         """Take up weight version ``version``, which another process loaded into the server (the
@@ -409,7 +475,8 @@ class VLLMServerEngine:
         return save_weights(weights, self.weights_dir)
 
     async def close(self) -> None:
-        """Close the connection pool; remove the weights folder this engine made."""
+        """Close the connection pool and the weight group; remove the weights folder this engine made."""
+        self._leave_group()
         await self._client.aclose()
         if self._own_weights_dir and self.weights_dir is not None:
             shutil.rmtree(self.weights_dir, ignore_errors=True)

@@ -7,6 +7,11 @@ import os
 import time
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _machine_times() -> tuple[float, float] | None:
     """All CPUs' busy and total jiffies since boot (Linux's /proc/stat), or None elsewhere."""
     try:

@@ -53,3 +53,37 @@ def release_pool() -> bool:
     cores to another thread); whether a runtime did."""
     pause = _loaded_pause() if "torch" in sys.modules else None  # torch loads the runtime
     return pause is not None and pause(_SOFT) == 0
+
+
+class SpareWorkers:
+    """While held (``with spare:``), this process keeps one idle OpenMP worker more than the cores:
+    libgomp then makes every team's workers sleep after a short spin between parallel regions
+    (about 1,000 rounds instead of about 300,000), so the cores that their spinning would burn go
+    to another process (a learner process at nice 19, whose updates otherwise get no CPU while the
+    engine serves without a pause). Released, the engine's workers spin at full length again.
+
+    The idle worker belongs to a thread of its own, which makes its pool with one parallel sum
+    and frees it on release. Where torch uses another OpenMP runtime, or none, it does nothing
+    harmful: a thread that sums a vector."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._thread = ThreadPoolExecutor(1, "turnrl-spare-openmp")
+
+    def __enter__(self) -> None:
+        self._thread.submit(_make_pool).result()
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.submit(release_pool).result()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False)
+
+
+def _make_pool() -> None:
+    """Run one parallel region on this thread with two threads or more (its pool stays)."""
+    import torch
+
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    torch.ones(1 << 20).sum()

@@ -405,14 +405,15 @@ class LearnConfig(_Strict):
     two decode steps, calls generating go on under the new ones with the KV they have (no pause; a
     reply may span two versions, each token's version recorded and the importance correction
     applied, as in overlapped training)."""
-    learner: Literal["thread", "process"] = "thread"
-    """Where the policy and its optimizer live. ``thread``: a thread of the gateway's process: it
-    starts at once and holds no second copy of the libraries. ``process``: a process of its own,
-    started with the gateway and ended with it: it shares no interpreter lock, OpenMP pool or heap
-    with serving (x0.90 serving throughput while learning against x0.77, BENCHMARKS.md), and a
-    learner killed for memory fails its steps, not the gateway; but where serving keeps every core
-    busy its OpenMP workers and serving's spin against each other and its steps crawl (see
-    docs/learning.md)."""
+    learner: Literal["thread", "process"] = "process"
+    """Where the policy and its optimizer live. ``process``: a process of its own, started with the
+    gateway and ended with it: it shares no interpreter lock, OpenMP pool or heap with serving, and
+    a learner killed for memory fails its steps, not the gateway (docs/learning.md). ``thread``: a
+    thread of the gateway's process: it starts at once and holds no second copy of the libraries."""
+    threads: int | None = Field(None, ge=1)
+    """With ``learner: process``: the learner's torch threads. None: half the cores this process may
+    use, at least 1. A learner at nice 19 whose OpenMP team is as wide as the machine waits at every
+    barrier for a thread the scheduler gives to serving; a narrower team takes what serving leaves."""
     nice: int = Field(19, ge=0, le=19)
     """The learner runs at this nice value: 19 takes only the CPU that serving leaves (where the
     learner has cores or a device of its own, it changes nothing); 0: the same as serving."""

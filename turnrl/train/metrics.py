@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -15,6 +14,7 @@ from rich.console import Console
 
 from turnrl.record.codec import json_line
 from turnrl.rollout.metrics import run_metrics
+from turnrl.support.cpus import usable_cores
 from turnrl.types import Trajectory
 
 METRICS = "metrics.jsonl"
@@ -48,7 +48,7 @@ def cpu_metrics(cpu_s: float, wall_s: float) -> dict[str, float]:
     they kept busy. Well below 1 (slow tools, a simulated user), cores sit idle that an overlapped
     trainer can use. OpenMP workers spinning between parallel regions count as busy, so a share
     near 1 may still hide gaps; a vLLM server computes in its own process and does not count."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     return {"time/cpu": cpu_s, "time/cores_busy": cpu_s / (wall_s * cores) if wall_s > 0 else 0.0}
 
 

@@ -43,6 +43,7 @@ class Run:
     resumed: bool = False  # restored from a checkpoint (the step-0 evaluation and warm start are done)
     progress: TrainProgress | None = None  # the console's progress bars, while training runs
     weights_dir: Path | None = None  # where weight updates for server engines are written
+    pushed: dict[str, Any] | None = None  # the state dict a collective push sends (the first rank's)
     updates: ThreadPoolExecutor = field(default_factory=learner_thread)  # every step's update runs here
 
     @property

@@ -1,8 +1,10 @@
 """Weight sync: the policy's new weights into the engines that roll out.
 
 The embedded engine takes a state dict (with LoRA: the adapted layers, merged) between two decode
-steps. vLLM servers load a whole checkpoint, written once for all of them (by the first rank under
-torchrun: the servers are shared); turns in flight pause around the load (``servers_load``).
+steps. vLLM servers load the whole model, pushed once for all of them (by the first rank under
+torchrun: the servers are shared): broadcast to their workers (``engine.weight_sync: collective``)
+or written as a checkpoint they load (``file``); turns in flight pause around the load
+(``servers_load``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ async def push_weights(run: Run) -> None:
             weights or serving_weights(learner.policy), strict=not is_lora(learner.policy)
         )
         return
-    if run.ranks.main:
+    servers = run.config.engine
+    if run.ranks.main and isinstance(servers, VLLMEngineConfig) and servers.sync_way == "collective":
+        run.pushed = weights or full_weights(learner.policy)  # broadcast to the servers' workers
+    elif run.ranks.main:
         if run.weights_dir is None:
-            chosen = (
-                servers.weights_dir if isinstance(servers := run.config.engine, VLLMEngineConfig) else None
-            )
+            chosen = servers.weights_dir if isinstance(servers, VLLMEngineConfig) else None
             run.weights_dir = Path(chosen) if chosen else scratch_weights_dir()
         # in a worker thread: the rollouts of overlapped training go on meanwhile
         await asyncio.to_thread(save_weights, weights or full_weights(learner.policy), run.weights_dir)
@@ -49,10 +52,11 @@ def _gathered_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 async def servers_load(run: Run) -> None:
-    """The servers load the checkpoint in ``run.weights_dir``. Overlapped training: every rank's turns
-    in flight stop where they are (each rank aborts its own requests; their tokens are kept) and go
-    on from their last token under the new weights (a partial rollout); with ``keep_in_flight`` the
-    servers freeze them instead and they go on in the same requests, and no turn starts meanwhile.
+    """The servers load the weights in ``run.pushed`` (by collective) or ``run.weights_dir``.
+    Overlapped training: every rank's turns in flight stop where they are (each rank aborts its own
+    requests; their tokens are kept) and go on from their last token under the new weights (a
+    partial rollout); with ``keep_in_flight`` the servers freeze them instead and they go on in the
+    same requests, and no turn starts meanwhile.
     Under torchrun the first rank updates once every rank has paused; the others then take up the
     version the servers report."""
     control, ranks = run.spec.control, run.ranks
@@ -70,7 +74,8 @@ async def servers_load(run: Run) -> None:
         await asyncio.to_thread(barrier, ranks)  # every rank has paused; the checkpoint is written
         if ranks.main and failure is None:
             try:
-                await as_updatable(run.engine).update_weights(run.weights_dir or "")
+                pushed, run.pushed = run.pushed, None
+                await as_updatable(run.engine).update_weights(pushed or run.weights_dir or "")
             except Exception as exc:
                 failure = exc
         await asyncio.to_thread(barrier, ranks)  # the servers serve the new weights (or failed to)
