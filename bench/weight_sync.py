@@ -63,7 +63,7 @@ async def bench_model(name: str, pushes: int, scratch: Path) -> tuple[float, flo
         for sync in ("file", "collective")
     }
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True
+        [{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True, return_dict=False
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     times: dict[str, list[float]] = {sync: [] for sync in clients}

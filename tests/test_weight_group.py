@@ -92,3 +92,15 @@ def test_a_worker_receives_every_tensor_exactly_over_gloo(bucket_bytes: int) -> 
 def test_a_worker_without_a_group_says_so() -> None:
     with pytest.raises(RuntimeError, match="no weight group"):
         Worker().receive_weights(json.dumps([]))
+
+
+def test_auto_is_a_collective_for_started_servers_with_weights_on_a_gpu() -> None:
+    """``engine.weight_sync: auto``: NCCL where it pays (servers turnrl started, weights on a GPU); on a
+    CPU the file in /dev/shm, which is faster than gloo (BENCHMARKS.md); ``urls``: the file."""
+    from turnrl.config import VLLMEngineConfig
+
+    started, running = VLLMEngineConfig(kind="vllm"), VLLMEngineConfig(kind="vllm", urls=["http://h:1"])
+    assert started.sync_way(on_gpu=True) == "collective" and started.sync_way(on_gpu=False) == "file"
+    assert running.sync_way(on_gpu=True) == "file"
+    chosen = VLLMEngineConfig(kind="vllm", urls=["http://h:1"], weight_sync="collective")
+    assert chosen.sync_way(on_gpu=False) == "collective"

@@ -200,7 +200,8 @@ class VLLMEngineConfig(_ClientConfig):
     workers over a process group with this process (gloo for CPU weights, NCCL for GPU ones;
     nothing touches a disk; the servers run turnrl's worker extension). ``file``: written as
     safetensors to ``weights_dir`` and loaded by each server (servers on other machines that cannot
-    reach this one). ``auto``: collective for servers turnrl starts, file for ``urls``."""
+    reach this one). ``auto``: collective for servers turnrl starts when the trainer's weights are
+    on a GPU, else file (on a CPU, a file in /dev/shm is faster than gloo: BENCHMARKS.md)."""
     weight_sync_host: str = "127.0.0.1"
     """With ``collective``: the address at which the servers' workers reach this process's group."""
     request_params: dict[str, Any] = Field(default_factory=dict)
@@ -218,13 +219,14 @@ class VLLMEngineConfig(_ClientConfig):
     ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
     """Engine actors on Ray, each running vLLM in process; off: in this process."""
 
-    @property
-    def sync_way(self) -> Literal["file", "collective"]:
-        """How weights reach the servers: ``weight_sync``, ``auto`` being collective for servers
-        turnrl starts (loopback, its worker extension) and file for ``urls``."""
+    def sync_way(self, *, on_gpu: bool) -> Literal["file", "collective"]:
+        """How weights reach the servers from a trainer whose weights are on a GPU (``on_gpu``) or
+        not: ``weight_sync``, ``auto`` being collective (NCCL) for servers turnrl starts when the
+        weights are on a GPU, and file otherwise (on a CPU a file in /dev/shm is the faster way:
+        BENCHMARKS.md)."""
         if self.weight_sync != "auto":
             return self.weight_sync
-        return "file" if self.urls else "collective"
+        return "collective" if on_gpu and not self.urls else "file"
 
     @model_validator(mode="after")
     def _one_mode(self) -> VLLMEngineConfig:

@@ -170,7 +170,7 @@ def _vllm_clients(
             image_token_id=image_token,
             refresh_tied_weights=managed if e.refresh_tied_weights is None else e.refresh_tied_weights,
             keep_in_flight=e.keep_in_flight,
-            weight_sync=e.sync_way,
+            weight_sync=e.weight_sync if managed else e.sync_way(on_gpu=False),
             weight_sync_host=e.weight_sync_host,
         )
         for url in urls

@@ -303,7 +303,8 @@ class Learning:
         for vLLM servers that take them by collective, else a checkpoint folder (``learn/weights``,
         rewritten each time) that the servers read."""
         servers = self.config.engine
-        by_file = isinstance(servers, VLLMEngineConfig) and servers.sync_way == "file"
+        # the learner's weights reach the gateway in CPU memory: NCCL is not for them
+        by_file = isinstance(servers, VLLMEngineConfig) and servers.sync_way(on_gpu=False) == "file"
         folder = str(self.folder / WEIGHTS_DIR) if by_file else None
         weights: Weights = await self.learner.run("weights", folder)
         return weights

@@ -211,7 +211,7 @@ class VLLMServerEngine:
         image_token_id: int | None = None,
         refresh_tied_weights: bool = False,
         keep_in_flight: bool = False,
-        weight_sync: Literal["file", "collective"] = "file",
+        weight_sync: Literal["file", "collective", "auto"] = "file",
         weight_sync_host: str = "127.0.0.1",
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
@@ -225,7 +225,8 @@ class VLLMServerEngine:
         generations in flight and they go on under the new weights (the module's docstring);
         ``weight_sync``: how a state dict reaches the server: written to ``weights_dir`` and loaded
         (``file``), or broadcast to its workers over a process group whose store this process holds
-        at ``weight_sync_host`` (``collective``; the server runs turnrl's worker extension)."""
+        at ``weight_sync_host`` (``collective``; the server runs turnrl's worker extension), or
+        collective where the state dict is on a GPU and file where it is not (``auto``)."""
         root = base_url.rstrip("/")
         root = root[: -len("/v1")] if root.endswith("/v1") else root
         retry = RetryPolicy(max_retries=max_retries, budget_s=retry_budget_s)
@@ -383,7 +384,10 @@ class VLLMServerEngine:
         ``keep_in_flight``: they freeze and go on under the new weights).
         """
         new = self._version + 1 if version is None else version
-        collective = self.weight_sync == "collective" and isinstance(weights, Mapping)
+        collective = isinstance(weights, Mapping) and (
+            self.weight_sync == "collective"
+            or (self.weight_sync == "auto" and any(getattr(t, "is_cuda", False) for t in weights.values()))
+        )
         folder = None
         if not collective:
             folder = self._save(weights) if isinstance(weights, Mapping) else Path(weights)

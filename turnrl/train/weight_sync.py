@@ -33,8 +33,9 @@ async def push_weights(run: Run) -> None:
             weights or serving_weights(learner.policy), strict=not is_lora(learner.policy)
         )
         return
-    servers = run.config.engine
-    if run.ranks.main and isinstance(servers, VLLMEngineConfig) and servers.sync_way == "collective":
+    servers, on_gpu = run.config.engine, next(learner.policy.parameters()).is_cuda
+    collective = isinstance(servers, VLLMEngineConfig) and servers.sync_way(on_gpu=on_gpu) == "collective"
+    if run.ranks.main and collective:
         run.pushed = weights or full_weights(learner.policy)  # broadcast to the servers' workers
     elif run.ranks.main:
         if run.weights_dir is None:
